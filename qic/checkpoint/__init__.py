@@ -1,0 +1,1 @@
+"""Reading diffusers-layout checkpoints, resolving model sources, and the embedded tiny checkpoint."""

@@ -1,0 +1,153 @@
+"""Config presets for tiny random-weight Qwen-Image checkpoints.
+
+`tiny` is the embedded default that `qic build` uses when no model is named; `tiny-alt` differs from
+it in heads, GQA ratio, layers, z_dim and VAE depth (so the VAE scale factor), so that tests catch
+anything about sizes that leaked into code as a constant. Both follow the real checkpoint's config
+layout (`Qwen/Qwen-Image`): flat Qwen2.5-VL text_encoder config with a nested vision_config,
+diffusers configs for transformer/vae/scheduler.
+"""
+
+from __future__ import annotations
+
+import copy
+
+# The real Qwen-Image scheduler config (scheduler/scheduler_config.json on the hub).
+QWEN_IMAGE_SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": "0.34.0.dev0",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+
+
+def _text_encoder(hidden, intermediate, layers, heads, kv_heads, mrope_section, vocab, vision_out):
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "image_token_id": 151655,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": 128000,
+        "max_window_layers": layers,
+        "model_type": "qwen2_5_vl",
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_section": list(mrope_section), "rope_type": "default", "type": "default"},
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "transformers_version": "4.53.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "video_token_id": 151656,
+        "vision_config": {
+            "depth": 2,
+            "fullatt_block_indexes": [1],
+            "hidden_act": "silu",
+            "hidden_size": 32,
+            "in_channels": 3,
+            "in_chans": 3,
+            "intermediate_size": 64,
+            "model_type": "qwen2_5_vl",
+            "num_heads": 2,
+            "out_hidden_size": vision_out,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "temporal_patch_size": 2,
+            "tokens_per_second": 2,
+            "window_size": 112,
+            "torch_dtype": "float32",
+        },
+        "vision_end_token_id": 151653,
+        "vision_start_token_id": 151652,
+        "vision_token_id": 151654,
+        "vocab_size": vocab,
+    }
+
+
+def _transformer(in_channels, out_channels, layers, head_dim, heads, joint_dim, axes):
+    return {
+        "_class_name": "QwenImageTransformer2DModel",
+        "_diffusers_version": "0.34.0.dev0",
+        "attention_head_dim": head_dim,
+        "axes_dims_rope": list(axes),
+        "guidance_embeds": False,
+        "in_channels": in_channels,
+        "joint_attention_dim": joint_dim,
+        "num_attention_heads": heads,
+        "num_layers": layers,
+        "out_channels": out_channels,
+        "patch_size": 2,
+    }
+
+
+def _vae(base_dim, z_dim, dim_mult, temperal_downsample, latents_mean, latents_std):
+    return {
+        "_class_name": "AutoencoderKLQwenImage",
+        "_diffusers_version": "0.34.0.dev0",
+        "attn_scales": [],
+        "base_dim": base_dim,
+        "dim_mult": list(dim_mult),
+        "dropout": 0.0,
+        "latents_mean": list(latents_mean),
+        "latents_std": list(latents_std),
+        "num_res_blocks": 2,
+        "temperal_downsample": list(temperal_downsample),
+        "z_dim": z_dim,
+    }
+
+
+# The tokenizer's size decides the text encoder's vocab; both presets share the embedded tokenizer.
+TOKENIZER_VOCAB = 1024
+
+PRESETS = {
+    "tiny": {
+        "text_encoder": _text_encoder(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+                                      mrope_section=(2, 3, 3), vocab=TOKENIZER_VOCAB, vision_out=64),
+        "transformer": _transformer(in_channels=16, out_channels=4, layers=3, head_dim=32, heads=4,
+                                    joint_dim=64, axes=(8, 12, 12)),
+        "vae": _vae(base_dim=16, z_dim=4, dim_mult=(1, 2, 4, 4), temperal_downsample=(False, True, True),
+                    latents_mean=(-0.7571, -0.7089, -0.9113, 0.1075),
+                    latents_std=(2.8184, 1.4541, 2.3275, 2.6558)),
+        "scheduler": QWEN_IMAGE_SCHEDULER,
+        "default_resolution": (48, 80),  # (height, width): non-square on purpose
+    },
+    "tiny-alt": {
+        "text_encoder": _text_encoder(hidden=96, intermediate=160, layers=3, heads=6, kv_heads=2,
+                                      mrope_section=(2, 3, 3), vocab=TOKENIZER_VOCAB, vision_out=96),
+        "transformer": _transformer(in_channels=32, out_channels=8, layers=2, head_dim=48, heads=2,
+                                    joint_dim=96, axes=(8, 20, 20)),
+        "vae": _vae(base_dim=8, z_dim=8, dim_mult=(1, 2, 2), temperal_downsample=(False, True),
+                    latents_mean=(0.1, -0.3, 0.5, -0.2, 0.0, 0.7, -0.6, 0.2),
+                    latents_std=(1.5, 2.0, 0.8, 1.2, 2.5, 1.1, 0.9, 1.7)),
+        "scheduler": QWEN_IMAGE_SCHEDULER,
+        "default_resolution": (40, 24),
+    },
+}
+
+
+def preset(name: str) -> dict:
+    """A deep copy of a preset, so callers may edit it freely."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return copy.deepcopy(PRESETS[name])

@@ -1,0 +1,73 @@
+"""Pieces shared by the model files: config checking, strict weight loading, RMSNorm."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from qic.errors import CheckpointError, ConfigError
+
+
+def check_config_keys(config: Mapping, known: Iterable[str], component: str) -> None:
+    """Refuse config keys qic does not know: a new variant flag must not be silently ignored.
+
+    Keys starting with '_' are diffusers/transformers bookkeeping (_class_name, _diffusers_version).
+    """
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in set(known))
+    if unknown:
+        raise ConfigError(
+            f"{component} config has keys qic does not support: {', '.join(unknown)}",
+            "this checkpoint is a model variant qic does not implement yet",
+        )
+
+
+def require_value(config: Mapping, key: str, allowed, component: str) -> None:
+    """A flag that qic knows but implements only for some values (e.g. zero_cond_t=False)."""
+    if key in config and config[key] not in allowed:
+        raise ConfigError(
+            f"{component} config sets {key}={config[key]!r}; qic supports only {sorted(map(repr, allowed))}"
+        )
+
+
+def load_weights(module: nn.Module, state_dict: Mapping[str, torch.Tensor], component: str,
+                 assign: bool = False) -> None:
+    """Load by the checkpoint's own tensor names; name every missing, unexpected or misshapen tensor."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_short(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_short(unexpected)}")
+    for name in sorted(set(own) & set(state_dict)):
+        if tuple(own[name].shape) != tuple(state_dict[name].shape):
+            problems.append(
+                f"tensor {name} has shape {tuple(state_dict[name].shape)}, expected {tuple(own[name].shape)}")
+    if problems:
+        raise CheckpointError(f"{component}: " + "; ".join(problems))
+    module.load_state_dict(dict(state_dict), strict=True, assign=assign)
+
+
+def _short(names: list[str], n: int = 6) -> str:
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back; weight optional (diffusers' QK norms have one)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            xf = xf * self.weight.float()
+        return xf.to(dtype)
