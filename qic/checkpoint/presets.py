@@ -11,6 +11,21 @@ from __future__ import annotations
 
 import copy
 
+# The embedded tokenizer: byte-level BPE with TOKENIZER_REGULAR ordinary tokens (256 bytes + merges),
+# then Qwen2's special tokens in their real order (151643.. in the real vocab), then unused ids up to
+# TOKENIZER_VOCAB. Both presets share it.
+TOKENIZER_REGULAR = 1000
+TOKENIZER_VOCAB = 1024
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+
+def special_id(token: str) -> int:
+    return TOKENIZER_REGULAR + SPECIAL_TOKENS.index(token)
+
 # The real Qwen-Image scheduler config (scheduler/scheduler_config.json on the hub).
 QWEN_IMAGE_SCHEDULER = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
@@ -36,11 +51,11 @@ def _text_encoder(hidden, intermediate, layers, heads, kv_heads, mrope_section, 
     return {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],
         "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        "bos_token_id": special_id("<|endoftext|>"),
+        "eos_token_id": special_id("<|im_end|>"),
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "image_token_id": 151655,
+        "image_token_id": special_id("<|image_pad|>"),
         "initializer_range": 0.02,
         "intermediate_size": intermediate,
         "max_position_embeddings": 128000,
@@ -58,7 +73,7 @@ def _text_encoder(hidden, intermediate, layers, heads, kv_heads, mrope_section, 
         "transformers_version": "4.53.1",
         "use_cache": True,
         "use_sliding_window": False,
-        "video_token_id": 151656,
+        "video_token_id": special_id("<|video_pad|>"),
         "vision_config": {
             "depth": 2,
             "fullatt_block_indexes": [1],
@@ -78,9 +93,9 @@ def _text_encoder(hidden, intermediate, layers, heads, kv_heads, mrope_section, 
             "window_size": 112,
             "torch_dtype": "float32",
         },
-        "vision_end_token_id": 151653,
-        "vision_start_token_id": 151652,
-        "vision_token_id": 151654,
+        "vision_end_token_id": special_id("<|vision_end|>"),
+        "vision_start_token_id": special_id("<|vision_start|>"),
+        "vision_token_id": special_id("<|vision_pad|>"),
         "vocab_size": vocab,
     }
 
@@ -117,8 +132,6 @@ def _vae(base_dim, z_dim, dim_mult, temperal_downsample, latents_mean, latents_s
     }
 
 
-# The tokenizer's size decides the text encoder's vocab; both presets share the embedded tokenizer.
-TOKENIZER_VOCAB = 1024
 
 PRESETS = {
     "tiny": {

@@ -71,3 +71,19 @@ class RMSNorm(nn.Module):
         if self.weight is not None:
             xf = xf * self.weight.float()
         return xf.to(dtype)
+
+
+class RowLinear(nn.Linear):
+    """A Linear whose input features may be split across tensor-parallel ranks.
+
+    Under TP the partial products are summed (`reduce`, set by the TP plan) before the bias is added,
+    so the bias counts once. With `reduce` unset it is exactly nn.Linear. Tensor names are nn.Linear's.
+    """
+
+    reduce = None  # callable(tensor) -> tensor, e.g. a functional all_reduce; a class default keeps state_dict clean
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.weight)
+        if self.reduce is not None:
+            y = self.reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,34 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def sensitize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-draw a reference module's weights so outputs depend visibly on every weight.
+
+    Default initialisations leave tiny random models nearly constant, which makes parity checks unable
+    to fail. Matrices: normal(0, 2/sqrt(fan_in)); norm-like vectors (name ends in 'weight', 1-D):
+    1 +- 0.1; other vectors: 0.1 * normal. Deterministic per tensor name.
+    """
+    with torch.no_grad():
+        for name, p in module.state_dict().items():
+            if not p.is_floating_point():
+                continue
+            g = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:8], 16))
+            if p.dim() >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) * (2.0 / fan_in ** 0.5))
+            elif name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * (2 * torch.rand(p.shape, generator=g) - 1))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return module
