@@ -51,6 +51,9 @@ def flow_match_schedule(config: Mapping, steps: int, image_seq_len: int) -> Sche
     check_scheduler_config(config)
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
+    if steps == 1 and config.get("shift_terminal"):
+        # Stretching a one-point schedule to shift_terminal divides 0 by 0: diffusers yields NaN sigmas.
+        raise ConfigError("steps must be >= 2 with this scheduler (shift_terminal is set)")
     sigmas = np.array(np.linspace(1.0, 1 / steps, steps)).astype(np.float32)
     if config.get("use_dynamic_shifting", False):
         mu = compute_mu(image_seq_len, config)
