@@ -173,6 +173,7 @@ class Upsampler(nn.Module):
 class MidBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
+        # diffusers builds the decoder mid block with num_layers=1 always: resnet, attention, resnet
         self.resnets = nn.ModuleList([ResidualBlock(dim, dim), ResidualBlock(dim, dim)])
         self.attentions = nn.ModuleList([AttentionBlock(dim)])
 

@@ -1,0 +1,58 @@
+"""torch.export + AOTInductor: one weight-free .pt2 package per graph, for CPU or CUDA."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+from qic.backends.base import Backend, CompiledGraph
+from qic.errors import ConfigError
+
+# Weights stay out of the .so so that one compiled graph serves any checkpoint of the same
+# architecture and the runtime binds memory-mapped shards without copying them.
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+
+class InductorBackend(Backend):
+    name = "inductor"
+
+    def __init__(self, device: str):
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"the inductor back end targets cpu or cuda, not {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda asked for, but torch sees no CUDA device",
+                              "build on a machine with a GPU, or use --device cpu")
+        super().__init__(device)
+
+    def identity(self) -> dict:
+        ident = {"backend": self.name, "torch": torch.__version__, "device": self.device,
+                 "machine": platform.machine(), "configs": INDUCTOR_CONFIGS}
+        if self.device == "cuda":
+            ident["cuda"] = torch.version.cuda
+            ident["capability"] = list(torch.cuda.get_device_capability())
+        return ident
+
+    def compile(self, module, example_inputs, out_dir: Path, dynamic_shapes=None) -> CompiledGraph:
+        from torch._inductor import aoti_compile_and_package
+
+        module = module.to(self.device).eval()
+        example_inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        with torch.no_grad():
+            ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "graph.pt2"
+        aoti_compile_and_package(ep, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+        # Constants the package expects: the module's weights and buffers, plus any tensors export lifted.
+        named = dict(module.state_dict(keep_vars=False))
+        sig = ep.graph_signature
+        wanted = list(sig.parameters) + list(sig.buffers) + list(sig.lifted_tensor_constants)
+        extra = {}
+        for name in wanted:
+            if name not in named:
+                extra[name] = ep.constants[name].detach().cpu().contiguous() if name in ep.constants else \
+                    ep.state_dict[name].detach().cpu().contiguous()
+        weight_names = [n for n in wanted if n in named]
+        return CompiledGraph(file=path.name, weight_names=weight_names, extra_constants=extra,
+                             meta={"graph_nodes": len(ep.graph.nodes)})

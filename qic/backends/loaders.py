@@ -1,0 +1,27 @@
+"""Run-side loaders: bind weights to a compiled artifact and return a callable.
+
+Imported by qic.runtime, so it must stay light: no torch._inductor, no model code, no compiler.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from qic.errors import BundleError
+
+_LOADERS = {"inductor": "qic.backends.inductor_loader", "neuron": "qic.backends.neuron_loader"}
+
+Graph = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def load_graph(backend: str, path: Path, constants: Mapping[str, torch.Tensor], device: str) -> Graph:
+    try:
+        module = importlib.import_module(_LOADERS[backend])
+    except KeyError:
+        raise BundleError(f"bundle uses back end {backend!r}, which this qic cannot load "
+                          f"(known: {', '.join(_LOADERS)})") from None
+    return module.load(Path(path), constants, device)

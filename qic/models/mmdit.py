@@ -1,0 +1,305 @@
+"""qic's Qwen-Image denoiser: the dual-stream MMDiT of diffusers' QwenImageTransformer2DModel, compile-friendly.
+
+Same arithmetic and the same tensor names as diffusers, written for one static graph per resolution bucket:
+no complex numbers (RoPE uses real cos/sin tables with diffusers' interleaved (2i, 2i+1) pairing), no
+data-dependent Python control flow, no host syncs. It exports whole with torch.export.export.
+
+RoPE tables are inputs to forward, not computed inside it. `rope_tables(config, h, w, txt_len)` is a pure
+host-side function of static ints: compute it once per (resolution, text bucket) at build time or at load
+time, and feed the same two tensors to every step. This keeps the graph free of trig over large angles (which
+some accelerators evaluate poorly, see the Trainium note) and keeps a bucket's graph independent of how the
+tables were produced. Layout: joint token order [text | image], shape [txt_len + h*w, head_dim // 2], fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qic.errors import ConfigError
+from qic.models.common import RMSNorm, RowLinear, check_config_keys, require_value
+
+COMPONENT = "transformer"
+# Architecture constants of diffusers' class (not in config.json): FeedForward's default mult, the
+# sinusoidal timestep projection width, RoPE theta, and the positions diffusers tabulates per sign.
+MLP_RATIO = 4
+TIME_PROJ_DIM = 256
+ROPE_THETA = 10000
+ROPE_POSITIONS = 4096
+EPS = 1e-6
+
+_SIZE_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
+              "num_attention_heads", "joint_attention_dim", "axes_dims_rope")
+# Variant flags: known, but qic implements only the plain model (value off).
+_OFF_FLAGS = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+# The hub's Qwen-Image config carries pooled_projection_dim (768); diffusers' class ignores it, so do we.
+_IGNORED_KEYS = ("pooled_projection_dim",)
+
+
+@dataclass(frozen=True)
+class MMDiTConfig:
+    patch_size: int
+    in_channels: int
+    out_channels: int
+    num_layers: int
+    attention_head_dim: int
+    num_attention_heads: int
+    joint_attention_dim: int
+    axes_dims_rope: tuple[int, int, int]
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return MLP_RATIO * self.inner_dim
+
+    @property
+    def out_features(self) -> int:
+        return self.patch_size * self.patch_size * self.out_channels
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> MMDiTConfig:
+        """Parse transformer/config.json; refuse unknown keys and variant flags qic does not implement."""
+        check_config_keys(d, _SIZE_KEYS + _OFF_FLAGS + _IGNORED_KEYS, COMPONENT)
+        for flag in _OFF_FLAGS:
+            require_value(d, flag, (False,), COMPONENT)
+        missing = [k for k in _SIZE_KEYS if k not in d and k != "out_channels"]
+        if missing:
+            raise ConfigError(f"{COMPONENT} config lacks {', '.join(missing)}")
+        axes = tuple(int(a) for a in d["axes_dims_rope"])
+        # diffusers: out_channels null means in_channels
+        out_channels = d.get("out_channels") or d["in_channels"]
+        cfg = cls(int(d["patch_size"]), int(d["in_channels"]), int(out_channels), int(d["num_layers"]),
+                  int(d["attention_head_dim"]), int(d["num_attention_heads"]), int(d["joint_attention_dim"]),
+                  axes)
+        if len(axes) != 3 or any(a % 2 for a in axes):
+            raise ConfigError(f"{COMPONENT} config axes_dims_rope={list(axes)} must be three even sizes")
+        if sum(axes) != cfg.attention_head_dim:
+            raise ConfigError(f"{COMPONENT} config axes_dims_rope={list(axes)} sums to {sum(axes)}, "
+                              f"but attention_head_dim is {cfg.attention_head_dim}")
+        return cfg
+
+
+# ---------------------------------------------------------------- RoPE (host side, pure function of ints)
+
+def _axis_angles(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    # Same fp32 arithmetic as diffusers' rope_params (int positions x fp32 inverse frequencies).
+    inv_freq = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+    return torch.outer(pos, inv_freq)
+
+
+def rope_positions(height: int, width: int, txt_len: int) -> torch.Tensor:
+    """[txt_len + height*width, 3] int64 (frame, row, col) positions, joint order [text | image].
+
+    Image (frame 0, scale_rope=True): rows run -(h - h//2) .. h//2 - 1 (centred, negatives for the upper
+    half), columns likewise. Text token i sits at max(h//2, w//2) + i on all three axes; diffusers takes i
+    over the padded text length, so padding never moves the valid tokens' positions.
+    """
+    rows = torch.arange(height) - (height - height // 2)
+    cols = torch.arange(width) - (width - width // 2)
+    img = torch.stack([torch.zeros(height, width, dtype=torch.long),
+                       rows[:, None].expand(height, width), cols[None, :].expand(height, width)], -1)
+    txt = (max(height // 2, width // 2) + torch.arange(txt_len))[:, None].expand(txt_len, 3)
+    return torch.cat([txt, img.reshape(-1, 3)], 0)
+
+
+def rope_tables(config: MMDiTConfig, height: int, width: int, txt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [txt_len + height*width, head_dim // 2] fp32, for a packed grid height x width.
+
+    height/width are the packed grid (pixels / vae_scale / patch). Column j rotates the pair (2j, 2j+1) of
+    each head; columns are [frame | row | col] axes of axes_dims_rope[k] // 2 each, as in diffusers.
+    """
+    if max(height // 2, width // 2) + txt_len > ROPE_POSITIONS or max(height, width) > ROPE_POSITIONS:
+        raise ConfigError(f"grid {height}x{width} with {txt_len} text tokens exceeds the {ROPE_POSITIONS} "
+                          "RoPE positions diffusers tabulates")
+    pos = rope_positions(height, width, txt_len)
+    angles = torch.cat([_axis_angles(pos[:, k], dim) for k, dim in enumerate(config.axes_dims_rope)], -1)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D]; pairs (2i, 2i+1) as (re, im) rotated by angle i: the real form of diffusers' x * e^{i a}."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    re, im = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack([re * c - im * s, re * s + im * c], -1).flatten(-2).to(x.dtype)
+
+
+# ---------------------------------------------------------------- modules (names mirror diffusers' tensors)
+
+def timestep_proj(t: torch.Tensor) -> torch.Tensor:
+    """diffusers' Timesteps(256, flip_sin_to_cos=True, shift 0, scale 1000): [cos | sin] of t * 1000 * f_k.
+
+    The frequencies are cast to t's dtype first, as diffusers does (bf16 models round them), then the
+    product is taken in fp32.
+    """
+    half = TIME_PROJ_DIM // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = 1000 * (t[:, None].float() * freqs.to(t.dtype)[None, :])
+    return torch.cat([torch.cos(args), torch.sin(args)], -1)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(TIME_PROJ_DIM, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbed(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder(dim)
+
+
+class GeluProj(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x):
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """net.0.proj (column-parallel) -> gelu tanh -> net.2 (row-parallel); net.1 is diffusers' dropout."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.net = nn.ModuleList([GeluProj(dim, hidden), nn.Identity(), RowLinear(hidden, dim)])
+
+    def forward(self, x):
+        return self.net[2](self.net[0](x))
+
+
+class JointAttention(nn.Module):
+    """Joint attention over [text | image]: per-stream QKV and QK-RMSNorm, shared RoPE table and SDPA."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        local = heads * head_dim  # heads here is already the per-rank count
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, local) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, local) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(head_dim, EPS), RMSNorm(head_dim, EPS)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim, EPS), RMSNorm(head_dim, EPS)
+        self.to_out = nn.ModuleList([RowLinear(local, dim)])
+        self.to_add_out = RowLinear(local, dim)
+
+    def forward(self, img, txt, attn_mask, cos, sin):
+        def heads(x):
+            return x.unflatten(-1, (-1, self.head_dim))  # [B, S, H, D]
+
+        q = torch.cat([self.norm_added_q(heads(self.add_q_proj(txt))), self.norm_q(heads(self.to_q(img)))], 1)
+        k = torch.cat([self.norm_added_k(heads(self.add_k_proj(txt))), self.norm_k(heads(self.to_k(img)))], 1)
+        v = torch.cat([heads(self.add_v_proj(txt)), heads(self.to_v(img))], 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # attn_mask None is the fast path: plain SDPA, no mask tensor in the graph at all.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attn_mask)
+        out = out.transpose(1, 2).flatten(2).to(q.dtype)
+        n_txt = txt.shape[1]
+        return self.to_out[0](out[:, n_txt:].contiguous()), self.to_add_out(out[:, :n_txt].contiguous())
+
+
+def _modulate(x, shift, scale):
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class MMDiTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int):
+        super().__init__()
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))  # replicated under TP
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.attn = JointAttention(dim, heads, head_dim)
+        self.img_mlp = FeedForward(dim, mlp_hidden)
+        self.txt_mlp = FeedForward(dim, mlp_hidden)
+        self.dim = dim
+
+    def _ln(self, x):
+        return F.layer_norm(x, (self.dim,), eps=EPS)
+
+    def forward(self, img, txt, temb, attn_mask, cos, sin):
+        # Six chunks per stream: (shift, scale, gate) for the attention half, then for the MLP half.
+        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = self.img_mod(temb).chunk(6, -1)
+        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = self.txt_mod(temb).chunk(6, -1)
+        img_attn, txt_attn = self.attn(_modulate(self._ln(img), i_sh1, i_sc1),
+                                       _modulate(self._ln(txt), t_sh1, t_sc1), attn_mask, cos, sin)
+        img = img + i_g1[:, None] * img_attn
+        txt = txt + t_g1[:, None] * txt_attn
+        img = img + i_g2[:, None] * self.img_mlp(_modulate(self._ln(img), i_sh2, i_sc2))
+        txt = txt + t_g2[:, None] * self.txt_mlp(_modulate(self._ln(txt), t_sh2, t_sc2))
+        if img.dtype == torch.float16:  # diffusers clips fp16 to avoid inf; a static dtype branch
+            img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
+        return img, txt
+
+
+class NormOut(nn.Module):
+    """AdaLayerNormContinuous without affine: note the (scale, shift) order, unlike the blocks."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.dim = dim
+
+    def forward(self, x, temb):
+        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, -1)
+        return F.layer_norm(x, (self.dim,), eps=EPS) * (1 + scale[:, None]) + shift[:, None]
+
+
+class QwenMMDiT(nn.Module):
+    """The denoiser. state_dict keys are diffusers' tensor names; with tp_size > 1 each rank holds
+    heads // tp_size heads and mlp_dim // tp_size MLP columns (the TP execution plan is set elsewhere)."""
+
+    def __init__(self, config: MMDiTConfig, tp_size: int = 1):
+        super().__init__()
+        c = config
+        if c.num_attention_heads % tp_size or c.mlp_dim % tp_size:
+            raise ConfigError(f"{COMPONENT}: tp_size {tp_size} does not divide {c.num_attention_heads} attention "
+                              f"heads and {c.mlp_dim} MLP columns")
+        self.config, self.tp_size = c, tp_size
+        dim = c.inner_dim
+        self.img_in = nn.Linear(c.in_channels, dim)
+        self.txt_norm = RMSNorm(c.joint_attention_dim, EPS)
+        self.txt_in = nn.Linear(c.joint_attention_dim, dim)
+        self.time_text_embed = TimeTextEmbed(dim)
+        self.transformer_blocks = nn.ModuleList(
+            MMDiTBlock(dim, c.num_attention_heads // tp_size, c.attention_head_dim, c.mlp_dim // tp_size)
+            for _ in range(c.num_layers))
+        self.norm_out = NormOut(dim)
+        self.proj_out = nn.Linear(dim, c.out_features)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                encoder_hidden_states_mask: torch.Tensor | None, timestep: torch.Tensor,
+                rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """hidden_states [B, S_img, in_ch] packed latents; encoder_hidden_states [B, S_txt, joint_dim];
+        encoder_hidden_states_mask [B, S_txt] (nonzero = valid) or None when every token is valid;
+        timestep [B] = t / 1000 as diffusers' pipeline passes it; rope_cos/sin from rope_tables(...,
+        txt_len=S_txt). Returns [B, S_img, patch^2 * out_channels]."""
+        img = self.img_in(hidden_states)
+        t = timestep.to(img.dtype)  # diffusers rounds t to the model dtype before embedding it
+        temb = self.time_text_embed.timestep_embedder(timestep_proj(t).to(img.dtype))
+        txt = self.txt_in(self.txt_norm(encoder_hidden_states))
+        attn_mask = None
+        if encoder_hidden_states_mask is not None:
+            # Key-padding mask over [text | image]; image keys are always valid. SDPA: True = attend.
+            img_valid = torch.ones(img.shape[:2], dtype=torch.bool, device=img.device)
+            attn_mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_valid], 1)[:, None, None, :]
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, temb, attn_mask, rope_cos, rope_sin)
+        return self.proj_out(self.norm_out(img, temb))
+
+
+def mmdit_state_dict(mapping: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> QwenMMDiT state dict. qic uses diffusers' names verbatim, so no renaming."""
+    return dict(mapping)

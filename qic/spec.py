@@ -1,0 +1,162 @@
+"""Build specs: one frozen dataclass, parsed once from YAML plus command-line overrides.
+
+Every validation error names the key and the allowed values. Cache keys derive from these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from qic.errors import ConfigError
+
+BACKENDS = ("inductor", "neuron")
+DEVICES = ("cpu", "cuda", "neuron")
+COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
+DTYPES = ("float32", "bfloat16", "float16")
+LAYER_MODES = ("unrolled", "looped")
+KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "components", "output",
+        "cache_dir", "layers", "full_hash")
+MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    model: str | None = None                       # None: the embedded tiny checkpoint
+    backend: str = "inductor"
+    device: str = "cpu"
+    tp: int = 1
+    dtype: tuple[tuple[str, str], ...] = tuple((c, "float32") for c in COMPONENTS)
+    resolutions: tuple[tuple[int, int], ...] = ((48, 80),)   # (height, width)
+    text_buckets: tuple[int, ...] = (128,)         # text-encoder lengths, template included; (0,) = exact length
+    components: tuple[str, ...] = COMPONENTS
+    output: str = "artifacts/tiny"
+    cache_dir: str = "artifacts/cache"
+    layers: tuple[tuple[str, str], ...] = tuple((c, "unrolled") for c in COMPONENTS)
+    full_hash: bool = False                        # hash checkpoint contents instead of trusting stat/blob ids
+
+    def dtype_of(self, component: str) -> str:
+        return dict(self.dtype)[component]
+
+    def layers_of(self, component: str) -> str:
+        return dict(self.layers)[component]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_spec(config_path: str | Path | None = None, overrides: Mapping | None = None) -> BuildSpec:
+    """Parse a YAML build config (the embedded default when None) and apply flag overrides."""
+    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys ({', '.join(KEYS)})")
+    merged = {**raw, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return parse_spec(merged, source=str(path))
+
+
+def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r}; allowed keys: {', '.join(KEYS)}")
+    d = BuildSpec()
+    backend = _choice(raw.get("backend", d.backend), BACKENDS, "backend", source)
+    device = _choice(raw.get("device", "neuron" if backend == "neuron" else d.device), DEVICES, "device", source)
+    if (backend == "neuron") != (device == "neuron"):
+        raise ConfigError(f"{source}: backend {backend!r} cannot target device {device!r} "
+                          "(inductor: cpu or cuda; neuron: neuron)")
+    tp = raw.get("tp", d.tp)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"{source}: tp must be a positive integer, got {tp!r}")
+    components = raw.get("components", list(COMPONENTS))
+    if isinstance(components, str):
+        components = [c.strip() for c in components.split(",")]
+    for c in components:
+        _choice(c, COMPONENTS, "components", source)
+    return BuildSpec(
+        model=raw.get("model", d.model) or None,
+        backend=backend,
+        device=device,
+        tp=tp,
+        dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", source),
+        resolutions=tuple(parse_resolution(r, source) for r in _as_list(raw.get("resolutions", ["48x80"]))),
+        text_buckets=parse_buckets(raw.get("text_buckets", list(d.text_buckets)), source),
+        components=tuple(c for c in COMPONENTS if c in components),
+        output=str(raw.get("output", d.output)),
+        cache_dir=str(raw.get("cache_dir", d.cache_dir)),
+        layers=_per_component(raw.get("layers", "unrolled"), LAYER_MODES, "layers", source),
+        full_hash=bool(raw.get("full_hash", False)),
+    )
+
+
+def parse_resolution(value, source: str = "config") -> tuple[int, int]:
+    """'HxW' (height x width) -> (h, w)."""
+    try:
+        h, w = str(value).lower().split("x")
+        res = int(h), int(w)
+    except ValueError:
+        raise ConfigError(f"{source}: resolution {value!r} is not of the form HxW (e.g. 512x512)") from None
+    if min(res) <= 0:
+        raise ConfigError(f"{source}: resolution {value!r} must be positive")
+    return res
+
+
+def parse_buckets(value, source: str = "config") -> tuple[int, ...]:
+    """A list of lengths, a step ('64' or 64: 64, 128, ... up to the limit), or 0 for exact length."""
+    if isinstance(value, str) and "," in value:
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        try:
+            buckets = tuple(sorted({int(v) for v in value}))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: text_buckets {value!r} must be integers") from None
+    else:
+        try:
+            step = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: text_buckets {value!r} must be a list, a step, or 0") from None
+        if step < 0:
+            raise ConfigError(f"{source}: text_buckets step must be >= 0, got {step}")
+        buckets = (0,) if step == 0 else tuple(range(step, MAX_TEXT_BUCKET + step, step))
+    if not buckets or any(b < 0 for b in buckets) or (0 in buckets and len(buckets) > 1):
+        raise ConfigError(f"{source}: text_buckets {value!r}: use positive lengths, or 0 alone for exact length")
+    return buckets
+
+
+def _as_list(v):
+    return [x.strip() for x in v.split(",")] if isinstance(v, str) else list(v)
+
+
+def _choice(value, allowed, key, source):
+    if value not in allowed:
+        raise ConfigError(f"{source}: {key} {value!r} is not one of: {', '.join(allowed)}")
+    return value
+
+
+def _per_component(value, allowed, key, source) -> tuple[tuple[str, str], ...]:
+    """One value for every component, or a mapping component -> value (others keep the default)."""
+    if isinstance(value, Mapping):
+        for comp in value:
+            _choice(comp, COMPONENTS, f"{key} component", source)
+        default = allowed[0]
+        return tuple((c, _choice(value.get(c, default), allowed, f"{key}.{c}", source)) for c in COMPONENTS)
+    _choice(value, allowed, key, source)
+    return tuple((c, value) for c in COMPONENTS)
+
+
+def with_changes(spec: BuildSpec, **changes) -> BuildSpec:
+    return dataclasses.replace(spec, **changes)
+
+
+
