@@ -1,0 +1,97 @@
+"""Bundle manifests: read, write, verify hashes, check compatibility. Stdlib only (plus torch's version).
+
+A bundle is trusted for matching, never for existing: every file it names carries a sha256, the
+manifest itself carries a content hash (the bundle id), and the runtime checks all of it before any
+compiled code is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from qic.errors import BundleError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def bundle_id(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "id"}
+    return hashlib.sha256(canonical(body)).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(root: Path, rel: str) -> dict:
+    p = Path(root) / rel
+    return {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+
+
+def read_manifest(bundle: Path) -> dict:
+    bundle = Path(bundle)
+    path = bundle / MANIFEST
+    if not bundle.is_dir():
+        raise BundleError(f"{bundle}: no such bundle directory", "build one with `qic build`")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BundleError(f"{bundle}: not a qic bundle (no {MANIFEST})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BundleError(f"{path}: corrupt manifest (not JSON)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise BundleError(f"{path}: bundle format {manifest.get('format')!r} is not {FORMAT_VERSION}",
+                          "rebuild the bundle with this qic")
+    if manifest.get("id") != bundle_id(manifest):
+        raise BundleError(f"{path}: manifest content hash mismatch (the manifest was edited or damaged)")
+    return manifest
+
+
+def verify_files(bundle: Path, manifest: dict, progress=None) -> None:
+    """Hash every file the manifest names; refuse on any mismatch, missing or extra compiled file."""
+    bundle = Path(bundle)
+    files = manifest.get("files", {})
+    for rel, entry in files.items():
+        p = bundle / rel
+        if not p.is_file():
+            raise BundleError(f"{bundle}: missing file {rel}")
+        if p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
+            raise BundleError(f"{bundle}: {rel} does not match its sha256 in the manifest (tampered or damaged)",
+                              "rebuild the bundle")
+        if progress:
+            progress(rel)
+    for p in bundle.rglob("*"):
+        rel = p.relative_to(bundle).as_posix()
+        if p.is_file() and rel != MANIFEST and rel not in files:
+            raise BundleError(f"{bundle}: unlisted file {rel} in the bundle")
+
+
+def check_compatible(manifest: dict, qic_version: str, torch_version: str) -> None:
+    built = manifest.get("versions", {})
+    if built.get("torch") != torch_version:
+        raise BundleError(f"bundle was built with torch {built.get('torch')}, this is torch {torch_version}",
+                          "rebuild the bundle with this torch")
+    if _major_minor(built.get("qic", "")) != _major_minor(qic_version):
+        raise BundleError(f"bundle was built with qic {built.get('qic')}, this is qic {qic_version}",
+                          "rebuild the bundle with this qic")
+
+
+def _major_minor(v: str) -> tuple:
+    return tuple(v.split(".")[:2])
+
+
+def finalize(manifest: dict) -> dict:
+    manifest = {**manifest, "format": FORMAT_VERSION}
+    manifest["id"] = bundle_id(manifest)
+    return manifest
