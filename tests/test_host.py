@@ -17,7 +17,7 @@ def diffusers_schedule(config, steps, seq_len):
     mu = calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                          config.get("base_shift", 0.5), config.get("max_shift", 1.15))
     timesteps, _ = retrieve_timesteps(sched, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    return sched.sigmas, timesteps / 1000
+    return sched.sigmas, timesteps
 
 
 @pytest.mark.parametrize("steps", [2, 3, 6, 20, 50])

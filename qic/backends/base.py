@@ -1,4 +1,8 @@
-"""The back-end interface: what the build stages need from a compiler, and nothing more."""
+"""The back-end interface: what the build stages need from a compiler, and nothing more.
+
+The stages export each graph with torch.export first (its code names the graph in the compile cache,
+independent of the weights), then hand the exported program to the back end.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,7 @@ import torch
 class CompiledGraph:
     """What a compile produced: the artifact file and the weights it expects to be bound by name."""
     file: str                       # file name inside the graph's directory
-    weight_names: list[str]         # constants the runtime binds from the weight shards
-    extra_constants: dict[str, torch.Tensor] = field(default_factory=dict)  # graph-owned (not checkpoint) tensors
+    constant_names: list[str]       # every tensor the runtime must bind, by the graph's names
     meta: dict = field(default_factory=dict)
 
 
@@ -29,6 +32,5 @@ class Backend(ABC):
         """Versions and flags that determine an artifact: part of cache keys and of the manifest."""
 
     @abstractmethod
-    def compile(self, module: torch.nn.Module, example_inputs: tuple, out_dir: Path,
-                dynamic_shapes=None) -> CompiledGraph:
-        """Compile `module` for these example inputs into out_dir, leaving the weights out."""
+    def compile(self, program: torch.export.ExportedProgram, out_dir: Path) -> CompiledGraph:
+        """Compile an exported program into out_dir, leaving its weights out of the artifact."""

@@ -34,25 +34,11 @@ class InductorBackend(Backend):
             ident["capability"] = list(torch.cuda.get_device_capability())
         return ident
 
-    def compile(self, module, example_inputs, out_dir: Path, dynamic_shapes=None) -> CompiledGraph:
+    def compile(self, program, out_dir: Path) -> CompiledGraph:
         from torch._inductor import aoti_compile_and_package
 
-        module = module.to(self.device).eval()
-        example_inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        with torch.no_grad():
-            ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "graph.pt2"
-        aoti_compile_and_package(ep, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
-        # Constants the package expects: the module's weights and buffers, plus any tensors export lifted.
-        named = dict(module.state_dict(keep_vars=False))
-        sig = ep.graph_signature
-        wanted = list(sig.parameters) + list(sig.buffers) + list(sig.lifted_tensor_constants)
-        extra = {}
-        for name in wanted:
-            if name not in named:
-                extra[name] = ep.constants[name].detach().cpu().contiguous() if name in ep.constants else \
-                    ep.state_dict[name].detach().cpu().contiguous()
-        weight_names = [n for n in wanted if n in named]
-        return CompiledGraph(file=path.name, weight_names=weight_names, extra_constants=extra,
-                             meta={"graph_nodes": len(ep.graph.nodes)})
+        aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        return CompiledGraph(file=path.name, constant_names=sorted(loader.get_constant_fqns()))

@@ -23,7 +23,7 @@ _UNSUPPORTED_TRUE = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_si
 @dataclass(frozen=True)
 class Schedule:
     sigmas: torch.Tensor     # [steps + 1] float32, ends in 0
-    timesteps: torch.Tensor  # [steps] float32, what the denoiser is given (already divided by 1000)
+    timesteps: torch.Tensor  # [steps] float32, the scheduler's t = sigma * 1000 (the step graph divides by 1000)
 
 
 def check_scheduler_config(config: Mapping) -> None:
@@ -70,6 +70,7 @@ def flow_match_schedule(config: Mapping, steps: int, image_seq_len: int) -> Sche
         sigmas = 1 - (one_minus / (one_minus[-1] / (1 - terminal)))
     sig = torch.from_numpy(np.asarray(sigmas)).to(torch.float32)
     train_steps = config.get("num_train_timesteps", 1000)
-    # diffusers keeps timesteps = sigma * 1000 and the pipeline passes timestep / 1000: keep both roundings.
-    timesteps = (sig * train_steps) / 1000
+    # diffusers keeps timesteps = sigma * 1000 and the pipeline passes timestep / 1000: the step graph
+    # divides, so both roundings are kept.
+    timesteps = sig * train_steps
     return Schedule(sigmas=torch.cat([sig, torch.zeros(1)]), timesteps=timesteps)

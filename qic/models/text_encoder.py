@@ -10,8 +10,9 @@ data-dependent Python control flow, no `.item()`; the whole module exports with 
 Text-only mRoPE is plain 1-D RoPE: for text, transformers gives all three mRoPE sections (temporal,
 height, width) the same position, so re-assembling the sections gives back the ordinary table. Positions
 are 0..L-1 for every row. transformers 5 uses exactly that for text-only input, whatever the mask;
-transformers 4.x used cumsum(mask) - 1, which agrees on the valid tokens as long as prompts are
-RIGHT-padded (the convention here: causal attention then leaves the valid tokens' outputs exact).
+transformers 4.x used cumsum(mask) - 1, which agrees on the valid tokens only when prompts are
+RIGHT-padded. Right padding is the convention here (causal attention then leaves the valid tokens'
+outputs exact); left padding matches transformers 5 but not 4.x.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ class QwenTextEncoder(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, L] int64; attention_mask [B, L] (1 valid, 0 padding; any dtype), right-padded.
+        """input_ids [B, L] int64; attention_mask [B, L] (1 valid, 0 padding; any dtype); pad on the right.
 
         Returns the final-normed hidden state [B, L, hidden]. Padded positions hold finite values of no
         meaning.

@@ -1,0 +1,142 @@
+"""Stage 2: export and compile each graph through a content-addressed compile cache.
+
+Two keys per graph:
+- the graph key names an artifact by what determines it: the exported graph's code and signature,
+  input shapes, graph-owned constants (RoPE tables, latent statistics), back end, versions and flags.
+  Weights are not part of it: one compiled graph serves every checkpoint of the same architecture.
+- the spec key is computable without exporting (qic's model code, the component configs, the graph's
+  shapes, dtype, TP, back end); it memoises spec key -> graph key, so a no-op build exports nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qic import __version__
+from qic.backends.base import Backend
+from qic.build.graphs import GraphDef
+from qic.fsutil import file_lock, staging_dir, write_bytes_atomic, write_json_atomic
+from qic.manifest import sha256_file
+
+_CODE_DIRS = ("models", "build/graphs.py", "backends")
+_QIC = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class GraphArtifact:
+    graph_key: str
+    directory: Path
+    meta: dict            # file, constant names, which are graph-owned, inputs/outputs, sizes
+    cached: bool
+    seconds: float
+
+
+def code_digest() -> str:
+    """qic's own code that shapes a graph; edits to it invalidate memoised spec keys."""
+    h = hashlib.sha256(__version__.encode())
+    for entry in _CODE_DIRS:
+        p = _QIC / entry
+        for f in sorted([p] if p.is_file() else p.rglob("*.py")):
+            h.update(f.relative_to(_QIC).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def spec_key(gdef_name: str, shape: dict, dtype: str, tp: int, configs: dict, identity: dict, code: str) -> str:
+    blob = json.dumps({"graph": gdef_name, "shape": shape, "dtype": dtype, "tp": tp, "configs": configs,
+                       "backend": identity, "code": code}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def compile_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_dir: Path,
+                  skey: str) -> GraphArtifact:
+    cache_dir = Path(cache_dir)
+    memo = cache_dir / "index" / skey
+    t0 = time.perf_counter()
+    if memo.is_file():
+        art = _lookup(cache_dir, memo.read_text().strip())
+        if art:
+            return GraphArtifact(art[0], art[1], art[2], True, time.perf_counter() - t0)
+    module = gdef.module.eval()
+    args = tuple(t for _, t in gdef.inputs)
+    dynamic = None
+    if gdef.dynamic:
+        dynamic = {name: gdef.dynamic.get(name) for name, _ in gdef.inputs}
+    with torch.no_grad():
+        program = torch.export.export(module, args, dynamic_shapes=dynamic)
+    owned = _graph_owned(program, gdef, weight_names)
+    gkey = graph_key(program, gdef, owned, backend.identity())
+    with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
+        art = _lookup(cache_dir, gkey)
+        if art is None:
+            final = cache_dir / "graphs" / gkey
+            with staging_dir(final) as tmp:
+                compiled = backend.compile(program, tmp)
+                if owned:
+                    save_file(owned, str(tmp / "constants.safetensors"))
+                files = [compiled.file] + (["constants.safetensors"] if owned else [])
+                meta = {
+                    "graph": gdef.name, "component": gdef.component, "file": compiled.file,
+                    "constants_file": "constants.safetensors" if owned else None,
+                    "constant_names": compiled.constant_names, "owned_constants": sorted(owned),
+                    "weight_prefix": gdef.weight_prefix,
+                    "inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                               for n, t in gdef.inputs],
+                    "outputs": gdef.outputs, "dynamic_text": bool(gdef.dynamic),
+                    "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
+                    "compile_seconds": round(time.perf_counter() - t0, 2), "backend": backend.identity(),
+                }
+                write_json_atomic(tmp / "meta.json", meta)
+            art = _lookup(cache_dir, gkey)
+            cached = False
+        else:
+            cached = True
+    write_bytes_atomic(memo, gkey.encode())
+    return GraphArtifact(gkey, art[1], art[2], cached, time.perf_counter() - t0)
+
+
+def _graph_owned(program, gdef: GraphDef, weight_names: set[str]) -> dict[str, torch.Tensor]:
+    """Constants the graph holds that are not checkpoint weights (RoPE tables, latent statistics)."""
+    sig = program.graph_signature
+    owned = {}
+    for name in list(sig.parameters) + list(sig.buffers) + list(sig.lifted_tensor_constants):
+        if name.startswith(gdef.weight_prefix) and name[len(gdef.weight_prefix):] in weight_names:
+            continue
+        value = program.state_dict.get(name)
+        if value is None:
+            value = program.constants[name]
+        owned[name] = value.detach().cpu().contiguous().clone()
+    return owned
+
+
+def graph_key(program, gdef: GraphDef, owned: dict, identity: dict) -> str:
+    h = hashlib.sha256(b"qic-graph-v1")
+    h.update(program.graph_module.code.encode())
+    h.update(str(program.graph_signature).encode())
+    h.update(json.dumps([[n, list(t.shape), str(t.dtype)] for n, t in gdef.inputs]).encode())
+    h.update(json.dumps({"dynamic": bool(gdef.dynamic), "outputs": gdef.outputs, "backend": identity},
+                        sort_keys=True).encode())
+    for name in sorted(owned):
+        t = owned[name]
+        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+def _lookup(cache_dir: Path, gkey: str):
+    """(key, dir, meta) if the cached artifact is complete and its files match their recorded sizes."""
+    d = cache_dir / "graphs" / gkey
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        for f, entry in meta["files"].items():
+            if (d / f).stat().st_size != entry["bytes"]:
+                return None
+    except (OSError, ValueError, KeyError):
+        return None
+    return gkey, d, meta

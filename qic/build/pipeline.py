@@ -1,0 +1,216 @@
+"""`qic build`: validate everything first, then shard (stage 1), compile (stage 2), bundle (stage 3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qic import __version__
+from qic.backends import get_backend
+from qic.build import compile as stage2
+from qic.build.bundle import write_bundle
+from qic.build.components import COMPONENTS, expected_tensors
+from qic.build.graphs import TORCH_DTYPES, GraphDef, denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.build.shard import shard_component
+from qic.build.source import resolve_model
+from qic.errors import ConfigError
+from qic.fsutil import sweep_stale
+from qic.host.latents import check_resolution
+from qic.host.prompt import TEMPLATE
+from qic.host.schedule import check_scheduler_config
+from qic.spec import BuildSpec
+from qic.tokenizer import load_tokenizer
+from qic.weights import mmap_safetensors
+
+# Which checkpoint configs each component's graphs depend on (the denoiser step packs latents by the VAE's scale).
+_CONFIG_DEPS = {"text_encoder": ("text_encoder",), "denoiser": ("transformer", "vae"), "vae_decoder": ("vae",)}
+
+
+@dataclass
+class Row:
+    stage: str
+    item: str
+    cached: bool
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class BuildReport:
+    output: Path
+    rows: list[Row] = field(default_factory=list)
+    up_to_date: bool = False
+    seconds: float = 0.0
+
+    @property
+    def hits(self) -> int:
+        return sum(r.cached for r in self.rows)
+
+
+class Context:
+    """What validation derived, shared by the stages."""
+
+    def __init__(self, spec: BuildSpec, progress):
+        self.spec, self.progress = spec, progress
+        self.cache = Path(spec.cache_dir)
+        self.output = Path(spec.output)
+        self.ckpt = resolve_model(spec.model, self.cache)
+        self.raw = {f: self.ckpt.config(f) for f in ("text_encoder", "transformer", "vae")}
+        self.scheduler = self.ckpt.config("scheduler")
+        self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in COMPONENTS.items()}
+        self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
+
+
+def validate(spec: BuildSpec, ctx: Context) -> None:
+    """Every error a build can know of before it writes anything."""
+    check_scheduler_config(ctx.scheduler)
+    vae = ctx.configs["vae_decoder"]
+    for h, w in spec.resolutions:
+        check_resolution(h, w, vae.scale_factor)
+    template_len = len(ctx.tokenizer.encode(TEMPLATE.format("")).ids)
+    for b in spec.text_buckets:
+        if b and b <= template_len:
+            raise ConfigError(f"text bucket {b} is too small for the prompt template ({template_len} tokens "
+                              f"with an empty prompt); use buckets > {template_len}")
+    for name in spec.components:
+        expected_tensors(COMPONENTS[name], ctx.configs[name], spec.tp)  # raises naming head counts
+    if spec.tp > 1:
+        raise ConfigError(f"tp={spec.tp}: tensor-parallel graphs are not compiled by this qic version yet "
+                          "(stage 1 can shard them)", "build with --tp 1")
+
+
+def build(spec: BuildSpec, progress=None) -> BuildReport:
+    t0 = time.perf_counter()
+    backend = get_backend(spec.backend, spec.device)
+    ctx = Context(spec, progress)
+    validate(spec, ctx)
+    report = BuildReport(ctx.output)
+    sweep_stale(ctx.cache / "shards")
+    sweep_stale(ctx.cache / "graphs")
+    digest = ctx.ckpt.digest(full=spec.full_hash)
+
+    # Stage 1: per-rank weight shards.
+    shards = {}
+    for name in spec.components:
+        comp = COMPONENTS[name]
+        t = time.perf_counter()
+        res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, spec.tp, spec.dtype_of(name), ctx.cache,
+                              _tick(progress, "shard", name))
+        shards[name] = res
+        report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
+
+    # Stage 2: one graph per bucket / resolution, through the compile cache.
+    code = stage2.code_digest()
+    identity = backend.identity()
+    artifacts = []
+    for gspec in plan_graphs(spec, ctx):
+        comp_name, maker, shape = gspec
+        configs = {f: ctx.raw[f] for f in _CONFIG_DEPS[comp_name]}
+        dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
+        skey = stage2.spec_key(_graph_name(comp_name, shape), shape, dtype, spec.tp, configs, identity, code)
+        weights_path = shards[comp_name].files[0]
+        weight_names = set(_header_names(weights_path))
+        if progress:
+            progress("compile", _graph_name(comp_name, shape), None)
+        gdef = _LazyGraph(lambda m=maker, p=weights_path, c=comp_name: m(_bound_module(ctx, c, p)))
+        art = _compile(gdef, backend, weight_names, ctx.cache, skey)
+        artifacts.append(art)
+        report.rows.append(Row("compile", art.meta["graph"], art.cached,
+                               sum(f["bytes"] for f in art.meta["files"].values()), art.seconds))
+
+    # Stage 3: the bundle.
+    build_key = _build_key(spec, digest, shards, artifacts)
+    t = time.perf_counter()
+    written = write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key)
+    report.up_to_date = not written
+    report.rows.append(Row("bundle", str(ctx.output), not written, _tree_bytes(ctx.output), time.perf_counter() - t))
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def plan_graphs(spec: BuildSpec, ctx: Context):
+    """(component, maker(module) -> GraphDef, shape) for every graph the spec asks for."""
+    vae_scale = ctx.configs["vae_decoder"].scale_factor
+    out = []
+    if "text_encoder" in spec.components:
+        for b in spec.text_buckets:
+            out.append(("text_encoder", lambda m, b=b: text_encoder_graph(m, b), {"bucket": b}))
+    if "denoiser" in spec.components:
+        cfg, dtype = ctx.configs["denoiser"], spec.dtype_of("denoiser")
+        for h, w in spec.resolutions:
+            for b in spec.text_buckets:
+                out.append(("denoiser", lambda m, h=h, w=w, b=b: denoiser_graph(m, cfg, vae_scale, h, w, b, dtype),
+                            {"resolution": [h, w], "bucket": b}))
+    if "vae_decoder" in spec.components:
+        for h, w in spec.resolutions:
+            out.append(("vae_decoder", lambda m, h=h, w=w: vae_decoder_graph(m, h, w), {"resolution": [h, w]}))
+    return out
+
+
+def _graph_name(component: str, shape: dict) -> str:
+    parts = [component]
+    if "resolution" in shape:
+        parts.append("{}x{}".format(*shape["resolution"]))
+    if "bucket" in shape:
+        parts.append(f"L{shape['bucket'] or 'exact'}")
+    return "@".join(parts)
+
+
+class _LazyGraph:
+    """Builds the GraphDef (binding weights) only when the compile cache misses."""
+
+    def __init__(self, make):
+        self._make, self._gdef = make, None
+
+    def get(self) -> GraphDef:
+        if self._gdef is None:
+            self._gdef = self._make()
+        return self._gdef
+
+
+def _compile(lazy: _LazyGraph, backend, weight_names, cache, skey):
+    memo = cache / "index" / skey
+    if memo.is_file():
+        hit = stage2._lookup(cache, memo.read_text().strip())
+        if hit:
+            return stage2.GraphArtifact(hit[0], hit[1], hit[2], True, 0.0)
+    return stage2.compile_graph(lazy.get(), backend, weight_names, cache, skey)
+
+
+def _bound_module(ctx: Context, component: str, weights_path: Path) -> torch.nn.Module:
+    """The eager module with memory-mapped shard tensors assigned (no copy, nothing touched)."""
+    comp = COMPONENTS[component]
+    with torch.device("meta"):
+        module = comp.make_module(ctx.configs[component], tp_size=ctx.spec.tp)
+    module.load_state_dict(mmap_safetensors(weights_path), strict=True, assign=True)
+    dtype = TORCH_DTYPES[comp.fixed_dtype or ctx.spec.dtype_of(component)]
+    return module.to(dtype)
+
+
+def _header_names(path: Path) -> list[str]:
+    from qic.checkpoint.safetensors_file import read_header
+    return list(read_header(path).tensors)
+
+
+def _build_key(spec, digest, shards, artifacts) -> str:
+    body = {"spec": {k: v for k, v in spec.to_json().items() if k not in ("output", "cache_dir")},
+            "checkpoint": digest, "shards": {k: v.key for k, v in shards.items()},
+            "graphs": [a.graph_key for a in artifacts], "qic": __version__, "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _tick(progress, stage, item):
+    if progress is None:
+        return None
+    return lambda nbytes: progress(stage, item, nbytes)
+
+

@@ -1,0 +1,169 @@
+"""Stage 1: extract each component's tensors into per-rank safetensors, streaming, one tensor at a time.
+
+Peak memory is a small multiple of the largest tensor, never the model: each output file's header is
+computed up front (converting meta tensors), then tensors are read by positional reads, converted,
+sliced for the rank, cast, written and dropped. Results live in a content-addressed cache keyed by a
+cheap checkpoint digest, the component, the plan and converter code, TP and dtype: a repeat build
+reads no tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qic import __version__
+from qic.build import plans
+from qic.build.components import Component, expected_tensors, source_digest
+from qic.checkpoint.reader import Checkpoint
+from qic.checkpoint.safetensors_file import DTYPE_NAMES, read_tensor
+from qic.errors import CheckpointError
+from qic.fsutil import file_lock, staging_dir, write_json_atomic
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    key: str
+    directory: Path
+    files: tuple[Path, ...]       # one per rank
+    cached: bool
+    bytes: int
+
+
+def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str) -> str:
+    h = hashlib.sha256()
+    for part in (b"qic-shard-v1", ckpt_digest.encode(), component.name.encode(), str(tp).encode(), dtype.encode(),
+                 str(plans.PLAN_VERSION).encode(), json.dumps(plans.PLANS[component.name]).encode(),
+                 source_digest(component)):
+        h.update(part + b"\0")
+    return h.hexdigest()[:32]
+
+
+def shard_component(ckpt: Checkpoint, component: Component, config, ckpt_digest: str, tp: int, dtype: str,
+                    cache_dir: Path, progress=None) -> ShardResult:
+    """Per-rank safetensors for one component, from the cache when present and intact."""
+    dtype = component.fixed_dtype or dtype
+    key = shard_key(ckpt_digest, component, tp, dtype)
+    final = Path(cache_dir) / "shards" / f"{component.name}-{key}"
+    with file_lock(Path(cache_dir) / "locks" / f"shard-{key}.lock"):
+        hit = _intact(final, tp)
+        if hit:
+            return ShardResult(key, final, hit, True, sum(p.stat().st_size for p in hit))
+        plan = _plan(ckpt, component, config, tp, dtype)
+        with staging_dir(final) as tmp:
+            files = []
+            for rank in range(tp):
+                path = tmp / f"rank{rank}.safetensors"
+                _write_rank(path, plan, ckpt.weights(component.folder).tensors, component, rank, tp,
+                            TORCH_DTYPES[dtype], progress)
+                files.append(path)
+            stamps = {p.name: _stamp(p) for p in files}
+            write_json_atomic(tmp / "meta.json", {"component": component.name, "tp": tp, "dtype": dtype,
+                                                  "qic": __version__, "files": stamps})
+    files = tuple(final / f"rank{r}.safetensors" for r in range(tp))
+    return ShardResult(key, final, files, False, sum(p.stat().st_size for p in files))
+
+
+def _stamp(p: Path) -> list[int]:
+    st = p.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _intact(final: Path, tp: int) -> tuple[Path, ...] | None:
+    """A cached entry is used only if every rank file is there with the size and mtime it was written
+    with (a file edited in place, e.g. through a bundle's hard link, makes it a miss)."""
+    meta_path = final / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        stamps = json.loads(meta_path.read_text())["files"]
+        files = tuple(final / f"rank{r}.safetensors" for r in range(tp))
+        if all(p.is_file() and _stamp(p) == stamps[p.name] for p in files):
+            return files
+    except (OSError, KeyError, ValueError):
+        pass
+    # Damaged entry: move it aside so the rebuild can take its place.
+    os.rename(final, final.with_name(f".tmp-{final.name}-0-damaged-{os.getpid()}"))
+    return None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    source: str          # checkpoint tensor name
+    name: str            # module tensor name
+    shape: tuple         # full (TP=1) shape after conversion
+
+
+def _plan(ckpt: Checkpoint, component: Component, config, tp: int, dtype: str) -> list[_Entry]:
+    """Map checkpoint tensors to module tensors using meta tensors; refuse missing/unexpected ones."""
+    weights = ckpt.weights(component.folder)
+    infos = weights.tensors
+    entries = []
+    for src in sorted(infos):
+        info = infos[src]
+        meta = torch.empty(info.shape, dtype=info.torch_dtype, device="meta")
+        for name, t in component.convert({src: meta}).items():
+            entries.append(_Entry(src, name, tuple(t.shape)))
+    full = expected_tensors(component, config, 1)
+    have = {e.name: e for e in entries}
+    missing = sorted(set(full) - set(have))
+    unexpected = sorted(set(have) - set(full))
+    if missing:
+        raise CheckpointError(f"{weights.directory}: missing tensor {missing[0]}"
+                              + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise CheckpointError(f"{weights.directory}: unexpected tensor {have[unexpected[0]].source}"
+                              + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for e in entries:
+        if e.shape != full[e.name]:
+            raise CheckpointError(f"{weights.directory}: tensor {e.source} has shape {e.shape}, "
+                                  f"the config implies {full[e.name]}")
+    per_rank = expected_tensors(component, config, tp)  # raises a ConfigError naming counts if tp does not divide
+    for e in entries:
+        sliced = plans.rank_slice(component.name, e.name, torch.empty(e.shape, device="meta"), 0, tp)
+        if tuple(sliced.shape) != per_rank[e.name]:
+            raise CheckpointError(f"TP plan for {component.name} gives {e.name} shape {tuple(sliced.shape)} on "
+                                  f"a rank, the model expects {per_rank[e.name]}")
+    return sorted(entries, key=lambda e: e.name)
+
+
+def _write_rank(path: Path, plan: list[_Entry], infos: dict, component: Component, rank: int, tp: int,
+                dtype: torch.dtype, progress) -> None:
+    header, shapes, offset = {}, {}, 0
+    for e in plan:
+        shape = tuple(plans.rank_slice(component.name, e.name, torch.empty(e.shape, device="meta"), rank, tp).shape)
+        nbytes = dtype.itemsize * _numel(shape)
+        header[e.name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        shapes[e.name] = shape
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for e in plan:  # in offset order: one tensor in memory at a time
+            t = component.convert({e.source: read_tensor(infos[e.source])})[e.name]
+            t = plans.rank_slice(component.name, e.name, t, rank, tp).to(dtype).contiguous()
+            assert tuple(t.shape) == shapes[e.name], e.name
+            if t.numel():
+                f.write(memoryview(t.view(torch.uint8).numpy()))
+            if progress:
+                progress(t.numel() * dtype.itemsize)
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

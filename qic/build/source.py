@@ -1,0 +1,46 @@
+"""Where a build's checkpoint comes from: the embedded tiny model, a local directory, or a hub id."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from qic.checkpoint.reader import Checkpoint
+from qic.errors import CheckpointError
+
+EMBEDDED_PREFIX = "embedded:"   # embedded:tiny, embedded:tiny-alt
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Files a build needs from a hub repo; the vision tower lives in the text encoder shards and is simply not read.
+_HUB_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "text_encoder/*", "transformer/*", "vae/*"]
+
+
+def resolve_model(model: str | None, cache_dir: Path) -> Checkpoint:
+    """None -> the embedded tiny checkpoint (generated once into the cache); a directory; or a hub id."""
+    if model is None or model.startswith(EMBEDDED_PREFIX):
+        from qic.checkpoint.embedded import write_checkpoint
+
+        preset = model[len(EMBEDDED_PREFIX):] if model else "tiny"
+        root = write_checkpoint(Path(cache_dir) / "embedded" / preset, preset_name=preset, seed=0)
+        return Checkpoint(root, model_id=f"{EMBEDDED_PREFIX}{preset}")
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")) or not _HUB_ID.match(model):
+        return Checkpoint(path, model_id=str(path.resolve()))
+    return Checkpoint(_from_hub(model), model_id=model)
+
+
+def _from_hub(repo_id: str) -> Path:
+    """Resolve through huggingface-hub; HF_HUB_OFFLINE=1 uses only the local hub cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=offline))
+    except LocalEntryNotFoundError:
+        raise CheckpointError(f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set" if offline else
+                              f"{repo_id}: could not be downloaded and is not in the local hub cache",
+                              "download it first (huggingface-cli download) or pass a local directory") from None
+    except Exception as e:  # network errors, missing repos, auth: one line naming the id
+        raise CheckpointError(f"{repo_id}: hub resolution failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                              "check the id, your network, or pass a local directory") from None

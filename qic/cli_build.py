@@ -1,0 +1,47 @@
+"""`qic build` presentation: progress bars while it works, a closing table of what was built."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def run_build(config, overrides) -> None:
+    from qic.build.pipeline import build
+    from qic.spec import load_spec
+
+    spec = load_spec(config, overrides)
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        tasks = {}
+
+        def progress(stage, item, nbytes):
+            key = (stage, item)
+            if key not in tasks:
+                for t in tasks.values():
+                    bar.update(t, completed=1, total=1)
+                tasks[key] = bar.add_task(f"{stage:8} {item}", total=None)
+            elif nbytes:
+                bar.advance(tasks[key], nbytes)
+
+        report = build(spec, progress)
+    table = Table(title=f"qic build -> {report.output}", show_lines=False)
+    for col in ("stage", "item", "result", "size", "time"):
+        table.add_column(col, justify="right" if col in ("size", "time") else "left")
+    for r in report.rows:
+        table.add_row(r.stage, r.item, "cached" if r.cached else "built", _size(r.bytes), f"{r.seconds:.1f}s")
+    out = Console()
+    out.print(table)
+    total = len(report.rows)
+    out.print(f"{report.hits}/{total} from cache ({100 * report.hits // max(total, 1)}% hits), "
+              f"{report.seconds:.1f}s; bundle {'unchanged' if report.up_to_date else 'written'}: {report.output}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
