@@ -15,9 +15,8 @@ import torch
 
 @dataclass
 class CompiledGraph:
-    """What a compile produced: the artifact file and the weights it expects to be bound by name."""
+    """What a compile produced: the artifact file (weights are trailing inputs, never inside it)."""
     file: str                       # file name inside the graph's directory
-    constant_names: list[str]       # every tensor the runtime must bind, by the graph's names
     meta: dict = field(default_factory=dict)
 
 

@@ -10,9 +10,9 @@ import torch
 from qic.backends.base import Backend, CompiledGraph
 from qic.errors import ConfigError
 
-# Weights stay out of the .so so that one compiled graph serves any checkpoint of the same
-# architecture and the runtime binds memory-mapped shards without copying them.
-INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+# Weights reach the graph as inputs (see qic.build.compile), so the package holds no weights to
+# leave out; the defaults stay explicit here because they are part of every cache key.
+INDUCTOR_CONFIGS: dict = {}
 
 
 class InductorBackend(Backend):
@@ -39,6 +39,9 @@ class InductorBackend(Backend):
 
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "graph.pt2"
-        aoti_compile_and_package(program, package_path=str(path), inductor_configs=INDUCTOR_CONFIGS)
+        aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS))
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        return CompiledGraph(file=path.name, constant_names=sorted(loader.get_constant_fqns()))
+        baked = loader.get_constant_fqns()
+        if baked:  # a weight-dependent constant would silently pin one checkpoint's values
+            raise RuntimeError(f"compiled graph holds constants {baked[:3]}; expected none")
+        return CompiledGraph(file=path.name)

@@ -6,7 +6,7 @@ Imported by qic.runtime, so it must stay light: no torch._inductor, no model cod
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,10 +18,11 @@ _LOADERS = {"inductor": "qic.backends.inductor_loader", "neuron": "qic.backends.
 Graph = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
-def load_graph(backend: str, path: Path, constants: Mapping[str, torch.Tensor], device: str) -> Graph:
+def load_graph(backend: str, path: Path, weights: list[torch.Tensor], device: str) -> Graph:
+    """A callable over the graph's inputs; `weights` (in the graph's weight_inputs order) are appended."""
     try:
         module = importlib.import_module(_LOADERS[backend])
     except KeyError:
         raise BundleError(f"bundle uses back end {backend!r}, which this qic cannot load "
                           f"(known: {', '.join(_LOADERS)})") from None
-    return module.load(Path(path), constants, device)
+    return module.load(Path(path), weights, device)

@@ -63,7 +63,7 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
                 "file": f"{gdir}/{meta['file']}",
                 "constants_file": f"{gdir}/{meta['constants_file']}" if meta["constants_file"] else None,
                 "weights": weights[meta["component"]], "weight_prefix": meta["weight_prefix"],
-                "constant_names": meta["constant_names"], "owned_constants": meta["owned_constants"],
+                "weight_inputs": meta["weight_inputs"], "owned_constants": meta["owned_constants"],
                 "inputs": meta["inputs"], "outputs": meta["outputs"], "dynamic_text": meta["dynamic_text"],
                 "bytes": sum(e["bytes"] for e in meta["files"].values()),
             })

@@ -1,5 +1,13 @@
 """Stage 2: export and compile each graph through a content-addressed compile cache.
 
+Weights are graph inputs, not constants. AOTInductor's weight-free packages
+(package_constants_in_so=False + load_constants) were measured to be wrong here: inductor folds
+weight-derived tensors at compile time (transposed Linear weights, a 1x1 conv's bias) into constants
+that the package then lacks (uninitialised: NaN in the step graph) or bakes in (the VAE silently kept
+the compile-time checkpoint's conv biases). Passing every weight as an input makes a graph
+independent of the weights by construction: one artifact serves every checkpoint of the
+architecture, and the runtime hands it memory-mapped tensors without a copy.
+
 Two keys per graph:
 - the graph key names an artifact by what determines it: the exported graph's code and signature,
   input shapes, graph-owned constants (RoPE tables, latent statistics), back end, versions and flags.
@@ -65,12 +73,17 @@ def compile_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cach
             return GraphArtifact(art[0], art[1], art[2], True, time.perf_counter() - t0)
     module = gdef.module.eval()
     args = tuple(t for _, t in gdef.inputs)
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    names = list(tensors)
     dynamic = None
     if gdef.dynamic:
-        dynamic = {name: gdef.dynamic.get(name) for name, _ in gdef.inputs}
+        dynamic = (tuple(gdef.dynamic.get(name) for name, _ in gdef.inputs), [None] * len(names))
     with torch.no_grad():
-        program = torch.export.export(module, args, dynamic_shapes=dynamic)
-    owned = _graph_owned(program, gdef, weight_names)
+        program = torch.export.export(WeightsAsInputs(module, names), (args, [tensors[n] for n in names]),
+                                      dynamic_shapes=dynamic)
+    owned = {n: tensors[n].detach().cpu().contiguous().clone() for n in names
+             if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)}
     gkey = graph_key(program, gdef, owned, backend.identity())
     with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
         art = _lookup(cache_dir, gkey)
@@ -84,7 +97,7 @@ def compile_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cach
                 meta = {
                     "graph": gdef.name, "component": gdef.component, "file": compiled.file,
                     "constants_file": "constants.safetensors" if owned else None,
-                    "constant_names": compiled.constant_names, "owned_constants": sorted(owned),
+                    "weight_inputs": names, "owned_constants": sorted(owned),
                     "weight_prefix": gdef.weight_prefix,
                     "inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
                                for n, t in gdef.inputs],
@@ -101,18 +114,15 @@ def compile_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cach
     return GraphArtifact(gkey, art[1], art[2], cached, time.perf_counter() - t0)
 
 
-def _graph_owned(program, gdef: GraphDef, weight_names: set[str]) -> dict[str, torch.Tensor]:
-    """Constants the graph holds that are not checkpoint weights (RoPE tables, latent statistics)."""
-    sig = program.graph_signature
-    owned = {}
-    for name in list(sig.parameters) + list(sig.buffers) + list(sig.lifted_tensor_constants):
-        if name.startswith(gdef.weight_prefix) and name[len(gdef.weight_prefix):] in weight_names:
-            continue
-        value = program.state_dict.get(name)
-        if value is None:
-            value = program.constants[name]
-        owned[name] = value.detach().cpu().contiguous().clone()
-    return owned
+class WeightsAsInputs(torch.nn.Module):
+    """forward(args, weights): the module run with `weights` (in `names` order) as its tensors."""
+
+    def __init__(self, module: torch.nn.Module, names: list[str]):
+        super().__init__()
+        self.module, self.names = module, names
+
+    def forward(self, args, weights):
+        return torch.func.functional_call(self.module, dict(zip(self.names, weights)), args)
 
 
 def graph_key(program, gdef: GraphDef, owned: dict, identity: dict) -> str:

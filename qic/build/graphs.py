@@ -79,12 +79,15 @@ def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucke
     module = StepGraph(DenoiseStep(mmdit, cfg=True), config, rows, cols, text_len)
     example_len = text_len if bucket else 8
     dt = TORCH_DTYPES[dtype]
-    scalar = torch.tensor(0.5, dtype=torch.float32)
+
+    def scalar(value):  # distinct tensors: export would treat one object passed twice as one input
+        return torch.tensor(value, dtype=torch.float32)
+
     inputs = [
         ("latents", torch.zeros(1, rows * cols, config.in_channels, dtype=dt)),
         ("text_embeds", torch.zeros(2, example_len, config.joint_attention_dim, dtype=dt)),
         ("text_mask", torch.ones(2, example_len, dtype=torch.long)),
-        ("timestep", scalar), ("sigma", scalar), ("sigma_next", scalar), ("guidance", scalar),
+        ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)), ("guidance", scalar(4.0)),
     ]
     dynamic = None
     if not bucket:

@@ -278,6 +278,7 @@ def tokenizer_files(tokenizer_json: bool = True) -> dict[str, bytes]:
 
 
 def _tensor_seed(seed: int, component: str, name: str) -> int:
+    """torch.Generator seed of one tensor: the first 60 bits of sha256(f"{seed}:{component}:{name}")."""
     return int(hashlib.sha256(f"{seed}:{component}:{name}".encode()).hexdigest()[:15], 16)
 
 
@@ -457,6 +458,8 @@ def _install(tmp: Path, out: Path, preset_name: str, seed: int, tokenizer_json: 
                 return  # another process won the race with the same content
             if not out.exists():
                 continue
+            if read_marker(out) is None and out.is_dir() and any(out.iterdir()):
+                raise CheckpointError(f"{out} appeared meanwhile and is not an embedded qic checkpoint")
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             try:
                 os.rename(out, old / "ckpt")

@@ -1,0 +1,93 @@
+"""Open a bundle: verify it, then bind memory-mapped weights to its compiled graphs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qic import __version__
+from qic.backends.loaders import load_graph
+from qic.errors import BundleError, ConfigError
+from qic.manifest import check_compatible, read_manifest, verify_files
+from qic.tokenizer import load_tokenizer
+from qic.weights import mmap_safetensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+
+
+@dataclass
+class Graph:
+    name: str
+    run: object                       # callable(list[Tensor]) -> list[Tensor]
+    inputs: list[dict]                # name, shape, dtype as exported
+    shape: dict = field(default_factory=dict)
+
+    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return self.run([t.to(DTYPES[spec["dtype"]]).contiguous() for t, spec in zip(tensors, self.inputs)])
+
+
+class Bundle:
+    """A verified, loaded bundle: tokenizer, settings, and graphs by (component, resolution, bucket)."""
+
+    def __init__(self, path: str | Path, device: str | None = None):
+        t0 = time.perf_counter()
+        self.path = Path(path)
+        self.manifest = m = read_manifest(self.path)
+        check_compatible(m, __version__, torch.__version__)
+        # Every file, compiled code included, is hashed before any of it is loaded.
+        verify_files(self.path, m)
+        self.device = device or m["device"]
+        if m["tp"] != 1:
+            raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}; this runtime runs tp=1 bundles")
+        self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
+        self.resolutions = [tuple(r) for r in m["resolutions"]]
+        self.buckets = list(m["text_buckets"])
+        self.latents = m["latents"]
+        self.scheduler = m["scheduler"]
+        self.prompt = m["prompt"]
+        shards: dict[str, dict[str, torch.Tensor]] = {}
+        self.graphs: dict[tuple, Graph] = {}
+        for g in m["graphs"]:
+            constants = {}
+            for rel in g["weights"]:
+                if rel not in shards:
+                    shards[rel] = mmap_safetensors(self.path / rel)
+                constants.update({g["weight_prefix"] + k: v for k, v in shards[rel].items()})
+            if g["constants_file"]:
+                constants.update(mmap_safetensors(self.path / g["constants_file"]))
+            missing = [n for n in g["weight_inputs"] if n not in constants]
+            if missing:
+                raise BundleError(f"{self.path}: graph {g['name']} needs tensors its weights lack: {missing[:3]}")
+            weights = [constants[n] for n in g["weight_inputs"]]
+            run = load_graph(m["backend"]["backend"], self.path / g["file"], weights, self.device)
+            key = _key(g["component"], g["name"])
+            self.graphs[key] = Graph(g["name"], run, g["inputs"])
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def id(self) -> str:
+        return self.manifest["id"]
+
+    def graph(self, component: str, resolution=None, bucket=None) -> Graph:
+        name = component
+        if resolution is not None:
+            name += "@{}x{}".format(*resolution)
+        if bucket is not None:
+            name += f"@L{bucket or 'exact'}"
+        try:
+            return self.graphs[_key(component, name)]
+        except KeyError:
+            raise BundleError(f"{self.path}: no graph {name} in this bundle") from None
+
+    def check_resolution(self, height: int, width: int) -> None:
+        if (height, width) not in self.resolutions:
+            have = ", ".join(f"{h}x{w}" for h, w in self.resolutions)
+            raise ConfigError(f"resolution {height}x{width} is not in this bundle (it has: {have})",
+                              "pick one of those, or rebuild with --resolution")
+
+
+def _key(component: str, name: str) -> tuple:
+    return (component, name)

@@ -1,0 +1,92 @@
+"""`qic run`: one image, or resident modes (prompts file, interactive) that pay the load once."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from qic.errors import ConfigError
+from qic.runtime.bundle import Bundle
+from qic.runtime.generate import DEFAULTS, Request, generate
+from qic.runtime.png import save_png
+
+_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "output")
+
+
+def run_cli(bundle_path: str, options: dict) -> None:
+    modes = sum(bool(x) for x in (options.get("prompt"), options.get("prompts_file"), options.get("interactive")))
+    if modes != 1:
+        raise ConfigError("give exactly one of --prompt, --prompts-file, --interactive")
+    base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
+    t0 = time.perf_counter()
+    bundle = Bundle(bundle_path)
+    load = time.perf_counter() - t0
+    verbose = options.get("verbose")
+    if options.get("prompt"):
+        _one(bundle, base, 0, load, verbose)
+    elif options.get("prompts_file"):
+        for i, line_opts in enumerate(_read_prompts(Path(options["prompts_file"]))):
+            _one(bundle, {**base, **line_opts}, i, load if i == 0 else 0.0, verbose, resident=True)
+    else:
+        i = 0
+        print("qic interactive: type a prompt, or an empty line to quit.", file=sys.stderr)
+        while True:
+            try:
+                prompt = input("prompt> ").strip()
+            except EOFError:
+                break
+            if not prompt:
+                break
+            _one(bundle, {**base, "prompt": prompt}, i, load if i == 0 else 0.0, verbose, resident=True)
+            i += 1
+
+
+def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, resident: bool = False) -> None:
+    output = opts.pop("output", None) or "image.png"
+    if resident:
+        p = Path(output)
+        output = str(p.with_name(f"{p.stem}-{index:03d}{p.suffix or '.png'}"))
+    req = Request(**{k: opts.get(k, DEFAULTS.get(k)) for k in Request.__dataclass_fields__ if k in opts or k in DEFAULTS}
+                  | {"prompt": opts["prompt"]})
+    result = generate(bundle, req)
+    t = time.perf_counter()
+    path = save_png(result, bundle.id, output)
+    result.timings["save"] = time.perf_counter() - t
+    print(f"wrote {path}")
+    if verbose:
+        steps = [v for k, v in result.timings.items() if k.startswith("step")]
+        parts = [f"load {load:.3f}s", f"tokenize {result.timings['tokenize']:.3f}s",
+                 f"encode {result.timings['encode']:.3f}s"]
+        parts += [f"step{i} {s:.3f}s" for i, s in enumerate(steps)]
+        parts += [f"decode {result.timings['decode']:.3f}s", f"save {result.timings['save']:.3f}s"]
+        print("timing: " + ", ".join(parts))
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    """Plain lines are prompts; lines starting with '{' are JSON objects with per-line options."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: prompts file not found") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            unknown = sorted(set(obj) - set(_OPTION_KEYS))
+            if unknown or "prompt" not in obj:
+                raise ConfigError(f"{path}:{n}: " + (f"unknown key {unknown[0]!r}" if unknown else "no 'prompt'")
+                                  + f"; allowed keys: {', '.join(_OPTION_KEYS)}")
+            out.append(obj)
+        else:
+            out.append({"prompt": line})
+    if not out:
+        raise ConfigError(f"{path}: no prompts in the file")
+    return out

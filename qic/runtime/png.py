@@ -1,0 +1,24 @@
+"""PNG output with the generation settings as text chunks, written atomically and reproducibly."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from PIL.PngImagePlugin import PngInfo
+
+from qic.fsutil import write_bytes_atomic
+
+
+def save_png(result, bundle_id: str, path: str | Path) -> Path:
+    req = result.request
+    info = PngInfo()
+    for key, value in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt), ("seed", req.seed),
+                       ("steps", req.steps), ("guidance", req.guidance), ("bundle", bundle_id),
+                       ("resolution", f"{req.height}x{req.width}")):
+        info.add_itxt(key, "" if value is None else str(value))
+    buf = io.BytesIO()
+    result.image.save(buf, format="PNG", pnginfo=info)
+    path = Path(path)
+    write_bytes_atomic(path, buf.getvalue())
+    return path
