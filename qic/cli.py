@@ -42,14 +42,16 @@ def main():
 @click.option("--tp", type=int, help="Tensor-parallel degree.")
 @click.option("--resolution", "resolutions", multiple=True, help="HxW, repeatable; replaces the config's list.")
 @click.option("--text-buckets", help="Comma-separated lengths, a step (e.g. 64), or 0 for exact length.")
+@click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder.")
 @click.option("--output", help="Bundle directory to write.")
 @click.option("--cache-dir", help="Shard and compile cache directory.")
 @_friendly
-def build(config, model, backend, device, tp, resolutions, text_buckets, output, cache_dir):
+def build(config, model, backend, device, tp, resolutions, text_buckets, components, output, cache_dir):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default configs/tiny.yaml)."""
     from qic.cli_build import run_build
     overrides = {"model": model, "backend": backend, "device": device, "tp": tp,
-                 "resolutions": list(resolutions) or None, "text_buckets": text_buckets, "output": output,
+                 "resolutions": list(resolutions) or None, "text_buckets": text_buckets,
+                 "components": components, "output": output,
                  "cache_dir": cache_dir}
     run_build(config, overrides)
 

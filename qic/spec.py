@@ -62,7 +62,10 @@ def load_spec(config_path: str | Path | None = None, overrides: Mapping | None =
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys ({', '.join(KEYS)})")
-    merged = {**raw, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "backend" in overrides and "device" not in overrides:
+        raw.pop("device", None)  # the config's device belonged to its back end; use the new one's default
+    merged = {**raw, **overrides}
     return parse_spec(merged, source=str(path))
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from qic.errors import CheckpointError
 from qic.fsutil import file_lock, staging_dir, write_json_atomic
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Fault-injection for the interruption tests: seconds to pause after each tensor written.
+_TEST_DELAY = float(os.environ.get("QIC_TEST_SHARD_DELAY", "0"))
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ def _write_rank(path: Path, plan: list[_Entry], infos: dict, component: Componen
             if progress:
                 progress(t.numel() * dtype.itemsize)
             del t
+            if _TEST_DELAY:
+                time.sleep(_TEST_DELAY)
         f.flush()
         os.fsync(f.fileno())
 

@@ -1,0 +1,107 @@
+"""Session fixtures: the embedded checkpoints, diffusers references, and bundles built once.
+
+Compiling is the expensive part of this suite (about 20-30 s a graph on two cores), so bundles are
+built once per session into a shared cache, and tests that need a compile reuse them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+QIC = [sys.executable, "-m", "qic.cli"]
+TINY_RES = (48, 80)      # (height, width), non-square on purpose
+SECOND_RES = (32, 48)
+BUCKETS = (72, 128)      # the tiny tokenizer's template alone is 53 tokens
+
+
+def qic(*args, check=True, env=None, **kw) -> subprocess.CompletedProcess:
+    """Run the qic command as a user would; output captured as text."""
+    proc = subprocess.run([*QIC, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"qic {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def pixels(image) -> np.ndarray:
+    return np.asarray(image).astype(np.float64)
+
+
+def image_diff(a, b) -> tuple[float, float]:
+    """(max, mean) absolute difference in 0..255 pixel units."""
+    d = np.abs(pixels(a) - pixels(b))
+    return float(d.max()), float(d.mean())
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("qic")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(workdir) -> Path:
+    return workdir / "cache"
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(workdir) -> Path:
+    from qic.checkpoint.embedded import write_checkpoint
+    return write_checkpoint(workdir / "ckpt-tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_alt_ckpt(workdir) -> Path:
+    from qic.checkpoint.embedded import write_checkpoint
+    return write_checkpoint(workdir / "ckpt-tiny-alt", "tiny-alt", seed=0)
+
+
+_PIPES: dict = {}
+
+
+def diffusers_image(root: Path, prompt: str, negative_prompt: str | None = " ", guidance: float = 4.0,
+                    seed: int = 0, steps: int = 6, height: int = TINY_RES[0], width: int = TINY_RES[1]):
+    """The reference: diffusers' QwenImagePipeline on the same checkpoint and settings."""
+    from diffusers import QwenImagePipeline
+    if root not in _PIPES:
+        pipe = QwenImagePipeline.from_pretrained(str(root), torch_dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[root] = pipe
+    out = _PIPES[root](prompt, negative_prompt=negative_prompt, true_cfg_scale=guidance, num_inference_steps=steps,
+                       height=height, width=width, generator=torch.Generator("cpu").manual_seed(seed))
+    return out.images[0]
+
+
+@pytest.fixture(scope="session")
+def bundle(workdir, cache_dir, tiny_ckpt) -> Path:
+    """The embedded model at one resolution and two text buckets, built through the CLI."""
+    out = workdir / "bundle"
+    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
+        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def bundle_two_res(bundle, workdir, cache_dir, tiny_ckpt):
+    """The same build plus a second resolution: (bundle path, the build's stdout)."""
+    out = workdir / "bundle-two-res"
+    proc = qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
+               "--resolution", "{}x{}".format(*TINY_RES), "--resolution", "{}x{}".format(*SECOND_RES),
+               "--text-buckets", ",".join(map(str, BUCKETS)))
+    return out, proc.stdout
+
+
+@pytest.fixture(scope="session")
+def bundle_exact(bundle, workdir, cache_dir, tiny_ckpt) -> Path:
+    """Exact-length text (dynamic text dimension) instead of buckets."""
+    out = workdir / "bundle-exact"
+    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
+        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "0")
+    return out
