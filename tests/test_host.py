@@ -87,6 +87,6 @@ def test_template_matches_diffusers_and_buckets():
     assert prompt.TEMPLATE in pipe_template
     assert prompt.pick_bucket(50, [64, 128]) == 64
     assert prompt.pick_bucket(64, [128, 64]) == 64
-    assert prompt.pick_bucket(77, [0]) == 77
+    assert prompt.pick_bucket(77, [0]) == 0
     with pytest.raises(QicError, match="longer than the largest text bucket"):
         prompt.pick_bucket(200, [64, 128])

@@ -25,12 +25,12 @@ def apply_template(prompt: str) -> str:
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket holding `length` templated tokens; 0 in buckets means exact length."""
+    """The smallest bucket holding `length` templated tokens; 0 (exact length, no padding) if buckets is [0]."""
     fitting = sorted(b for b in buckets if b >= length)
     if fitting:
         return fitting[0]
     if 0 in buckets:
-        return length
+        return 0
     raise QicError(
         f"prompt is {length} tokens with the template, longer than the largest text bucket ({max(buckets)})",
         "shorten the prompt or rebuild with a larger --text-buckets")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qic.errors import ConfigError
 from qic.runtime.bundle import Bundle
-from qic.runtime.generate import DEFAULTS, Request, generate
+from qic.runtime.generate import Request, generate
 from qic.runtime.png import save_png
 
 _OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "output")
@@ -48,8 +48,7 @@ def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, res
     if resident:
         p = Path(output)
         output = str(p.with_name(f"{p.stem}-{index:03d}{p.suffix or '.png'}"))
-    req = Request(**{k: opts.get(k, DEFAULTS.get(k)) for k in Request.__dataclass_fields__ if k in opts or k in DEFAULTS}
-                  | {"prompt": opts["prompt"]})
+    req = Request(**{k: v for k, v in opts.items() if k in Request.__dataclass_fields__})
     result = generate(bundle, req)
     t = time.perf_counter()
     path = save_png(result, bundle.id, output)

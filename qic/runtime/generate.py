@@ -19,16 +19,13 @@ from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.runtime.bundle import Bundle
 
-DEFAULTS = {"negative_prompt": " ", "steps": 20, "guidance": 4.0, "seed": 0}
-
-
 @dataclass
 class Request:
     prompt: str
-    negative_prompt: str = DEFAULTS["negative_prompt"]
-    steps: int = DEFAULTS["steps"]
-    guidance: float = DEFAULTS["guidance"]
-    seed: int = DEFAULTS["seed"]
+    negative_prompt: str | None = " "   # None: no negative prompt, so no CFG (as in diffusers)
+    steps: int = 20
+    guidance: float = 4.0
+    seed: int = 0
     height: int | None = None
     width: int | None = None
 
@@ -38,6 +35,7 @@ class Result:
     image: Image.Image
     request: Request
     timings: dict = field(default_factory=dict)   # seconds: tokenize, encode, step[i], decode
+    bucket: int = 0                               # the text bucket used (0: exact length)
 
 
 def validate(req: Request, bundle: Bundle) -> Request:
@@ -105,7 +103,7 @@ def generate(bundle: Bundle, req: Request) -> Result:
     t = time.perf_counter()
     image = bundle.graph("vae_decoder", (req.height, req.width))(x.float())[0]
     times["decode"] = time.perf_counter() - t
-    return Result(to_pil(image), req, times)
+    return Result(to_pil(image), req, times, bucket)
 
 
 def _ids(bundle: Bundle, prompt: str) -> list[int]:

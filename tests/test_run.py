@@ -1,0 +1,197 @@
+"""Issue 4: `qic run` — parity with diffusers, resident modes, reproducibility, refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from qic.manifest import bundle_id
+from qic.runtime.bundle import Bundle
+from qic.runtime.generate import Request, generate
+from tests.conftest import BUCKETS, ROOT, SECOND_RES, TINY_RES, diffusers_image, image_diff, qic
+
+BOUND = 2.0
+SHORT = "a red bicycle"
+LONG = ("a red bicycle leaning against a weathered blue wall under a striped awning, with potted plants, "
+        "a sleeping cat and warm evening light on the cobblestones")
+STEPS = 5
+
+
+def test_runtime_imports_no_model_or_compiler_code(bundle, tmp_path):
+    # (torch.export is absent from the list: `import torch` itself imports it.)
+    code = f"""
+import sys
+from qic.runtime.cli import run_cli
+run_cli({str(bundle)!r}, {{"prompt": "a cat", "steps": 2, "output": {str(tmp_path / 'x.png')!r}}})
+bad = sorted(m for m in sys.modules if m.startswith(("qic.models", "qic.build", "qic.backends.inductor",
+             "qic.backends.neuron", "torch._inductor", "torch._dynamo", "diffusers", "transformers"))
+             and m != "qic.backends.inductor_loader")
+print("BAD", bad)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert "BAD []" in out, out
+
+
+@pytest.mark.parametrize("res", [TINY_RES, SECOND_RES], ids=lambda r: "{}x{}".format(*r))
+def test_run_matches_diffusers_at_every_resolution_and_bucket(bundle_two_res, tiny_ckpt, res):
+    b = Bundle(bundle_two_res[0])
+    h, w = res
+    for prompt, bucket in ((SHORT, BUCKETS[0]), (LONG, BUCKETS[1])):
+        result = generate(b, Request(prompt, steps=STEPS, seed=3, height=h, width=w))
+        assert result.bucket == bucket
+        ref = diffusers_image(tiny_ckpt, prompt, " ", 4.0, seed=3, steps=STEPS, height=h, width=w)
+        mx, mean = image_diff(result.image, ref)
+        print(f"{h}x{w} bucket {bucket}: qic run vs diffusers max {mx:.0f}/255 mean {mean:.4f}")
+        assert mx <= BOUND and mean < 0.05
+    # The bound can fail: another guidance or another prompt word breaks it.
+    for wrong in ({"guidance": 3.0}, {"prompt": SHORT.replace("red", "green")}):
+        kw = {"prompt": SHORT, "guidance": 4.0, **wrong}
+        other = diffusers_image(tiny_ckpt, kw["prompt"], " ", kw["guidance"], seed=3, steps=STEPS, height=h, width=w)
+        ours = generate(b, Request(SHORT, steps=STEPS, seed=3, height=h, width=w)).image
+        assert image_diff(ours, other)[0] > BOUND, wrong
+
+
+def test_cli_run_matches_diffusers_and_png_is_reproducible(bundle, tiny_ckpt, tmp_path):
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"img{i}.png"
+        proc = qic("run", bundle, "--prompt", SHORT, "--negative-prompt", "blurry", "--steps", STEPS,
+                   "--guidance", "3.5", "--seed", "11", "--output", out)
+        assert f"wrote {out}" in proc.stdout
+        outs.append(out)
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    im = Image.open(outs[0])
+    assert im.text["prompt"] == SHORT and im.text["negative_prompt"] == "blurry" and im.text["seed"] == "11"
+    assert im.text["steps"] == str(STEPS) and im.text["guidance"] == "3.5"
+    assert im.text["bundle"] == json.loads((bundle / "manifest.json").read_text())["id"]
+    ref = diffusers_image(tiny_ckpt, SHORT, "blurry", 3.5, seed=11, steps=STEPS)
+    assert image_diff(im.convert("RGB"), ref)[0] <= BOUND
+
+
+def test_bucketed_and_exact_length_builds_agree(bundle, bundle_exact, tiny_ckpt):
+    a, b = Bundle(bundle), Bundle(bundle_exact)
+    for prompt in (SHORT, LONG):
+        ia = generate(a, Request(prompt, steps=STEPS, seed=5)).image
+        rb = generate(b, Request(prompt, steps=STEPS, seed=5))
+        assert rb.bucket == 0
+        mx, mean = image_diff(ia, rb.image)
+        print(f"bucketed vs exact: max {mx:.0f} mean {mean:.4f}")
+        assert mx <= BOUND
+        ref = diffusers_image(tiny_ckpt, prompt, " ", 4.0, seed=5, steps=STEPS)
+        assert image_diff(rb.image, ref)[0] <= BOUND
+
+
+def test_cfg_off(bundle, tiny_ckpt):
+    b = Bundle(bundle)
+    for guidance, neg in ((1.0, " "), (4.0, None)):
+        ours = generate(b, Request(SHORT, negative_prompt=neg, guidance=guidance, steps=STEPS)).image
+        ref = diffusers_image(tiny_ckpt, SHORT, neg, guidance, seed=0, steps=STEPS)
+        assert image_diff(ours, ref)[0] <= BOUND
+
+
+def test_resident_prompts_file_pays_the_load_once(bundle, tmp_path):
+    lines = []
+    for i in range(20):
+        if i % 2:
+            lines.append(json.dumps({"prompt": f"a cat number {i}", "seed": i, "steps": 2}))
+        else:
+            lines.append(f"a dog number {i}")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    proc = qic("run", bundle, "--prompts-file", prompts, "--steps", "2", "--output", tmp_path / "out.png",
+               "--verbose")
+    pngs = sorted(tmp_path.glob("out-*.png"))
+    assert len(pngs) == 20
+    timings = [line for line in proc.stdout.splitlines() if line.startswith("timing:")]
+    assert len(timings) == 20
+    loads = [float(t.split("load ")[1].split("s")[0]) for t in timings]
+    assert loads[0] > 0 and all(x == 0.0 for x in loads[1:])
+    assert Image.open(pngs[1]).text["seed"] == "1"
+    for key in ("tokenize", "encode", "step0", "step1", "decode", "save"):
+        assert key in timings[0]
+
+
+def test_interactive_mode(bundle, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "qic.cli", "run", str(bundle), "--interactive", "--steps", "2",
+                           "--output", str(tmp_path / "i.png")], input="a cat\na dog\n\n", capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(tmp_path.glob("i-*.png"))) == 2
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+def _run_fails(*args, expect: str):
+    proc = qic("run", *args, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert expect in lines[0], lines[0]
+    return lines[0]
+
+
+def _copy_bundle(bundle, tmp_path):
+    import shutil
+    dst = tmp_path / "b"
+    shutil.copytree(bundle, dst)
+    return dst
+
+
+def test_unknown_bundle_path(tmp_path):
+    _run_fails(tmp_path / "nope", "--prompt", "x", expect="no such bundle")
+
+
+@pytest.mark.parametrize("target", ["graph", "weights"])
+def test_tampered_file_is_refused_before_any_code_loads(bundle, tmp_path, target, monkeypatch):
+    b = _copy_bundle(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    g = next(g for g in m["graphs"] if g["component"] == "denoiser")
+    path = b / (g["file"] if target == "graph" else g["weights"][0])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _run_fails(b, "--prompt", "x", expect="does not match its sha256")
+    import qic.backends.inductor_loader as loader
+
+    def never(*a, **k):
+        raise AssertionError("compiled code was loaded from a tampered bundle")
+    monkeypatch.setattr(loader, "load", never)
+    from qic.errors import BundleError
+    with pytest.raises(BundleError, match="sha256"):
+        Bundle(b)
+
+
+def test_incompatible_versions_are_refused(bundle, tmp_path):
+    b = _copy_bundle(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    m["versions"]["torch"] = "1.13.0"
+    m["id"] = bundle_id(m)
+    (b / "manifest.json").write_text(json.dumps(m))
+    _run_fails(b, "--prompt", "x", expect="built with torch 1.13.0")
+    m["versions"] = {**m["versions"], "torch": json.loads((bundle / "manifest.json").read_text())["versions"]["torch"],
+                     "qic": "9.0.0"}
+    m["id"] = bundle_id(m)
+    (b / "manifest.json").write_text(json.dumps(m))
+    _run_fails(b, "--prompt", "x", expect="built with qic 9.0.0")
+    m["graphs"][0]["name"] = "edited"
+    (b / "manifest.json").write_text(json.dumps(m))
+    _run_fails(b, "--prompt", "x", expect="manifest content hash mismatch")
+
+
+def test_resolution_not_in_bundle(bundle):
+    line = _run_fails(bundle, "--prompt", "x", "--height", "64", "--width", "64", expect="not in this bundle")
+    assert "{}x{}".format(*TINY_RES) in line
+
+
+def test_prompt_longer_than_largest_bucket(bundle):
+    _run_fails(bundle, "--prompt", " ".join(["word"] * 200), expect="longer than the largest text bucket")
+
+
+@pytest.mark.parametrize("args,expect", [(("--steps", "0"), "steps"), (("--steps", "1"), "steps must be >= 2"),
+                                         (("--guidance", "nan"), "guidance"), (("--guidance", "-1"), "guidance")])
+def test_invalid_steps_or_guidance(bundle, args, expect):
+    _run_fails(bundle, "--prompt", "x", *args, expect=expect)
