@@ -20,19 +20,11 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from qic.errors import CheckpointError
+from qic.host.prompt import TEMPLATE
 
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-
-# diffusers' QwenImagePipeline wraps every prompt in this template and drops the first
-# QWEN_IMAGE_DROP_TOKENS hidden states (the system part, as the real 151k-token tokenizer splits it).
-QWEN_IMAGE_PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-QWEN_IMAGE_DROP_TOKENS = 34
 
 TOKENIZER_JSON = "tokenizer.json"
 VOCAB_JSON = "vocab.json"
@@ -173,7 +165,7 @@ def tokenizer_from_parts(vocab: Mapping[str, int], merges: Iterable[Sequence[str
     return tok
 
 
-def template_prefix_length(tokenizer: Tokenizer, template: str = QWEN_IMAGE_PROMPT_TEMPLATE) -> int:
+def template_prefix_length(tokenizer: Tokenizer, template: str = TEMPLATE) -> int:
     """Tokens of the template before the prompt (its system part plus '<|im_start|>user\\n')."""
     prefix = template.split("{}")[0]
     return len(tokenizer.encode(prefix, add_special_tokens=False).ids)

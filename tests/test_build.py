@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -75,7 +74,7 @@ def test_second_build_is_a_no_op(bundle, tiny_ckpt, cache_dir, monkeypatch):
 
     def forbidden(*a, **k):
         raise AssertionError("a no-op build read a tensor or exported a graph")
-    monkeypatch.setattr(stage1, "read_tensor", forbidden)
+    monkeypatch.setattr(stage1._Reader, "read", forbidden)
     monkeypatch.setattr(stage2.torch.export, "export", forbidden)
     spec = load_spec(None, {"model": str(tiny_ckpt), "cache_dir": str(cache_dir), "output": str(bundle),
                             "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": list(BUCKETS)})

@@ -12,9 +12,8 @@ import pytest
 from qic.checkpoint import presets
 from qic.checkpoint.embedded import tokenizer_files
 from qic.errors import CheckpointError
+from qic.host.prompt import DROP_TOKENS, TEMPLATE
 from qic.tokenizer import (
-    QWEN_IMAGE_DROP_TOKENS,
-    QWEN_IMAGE_PROMPT_TEMPLATE,
     load_tokenizer,
     template_prefix_length,
 )
@@ -43,7 +42,7 @@ def tokenizer_dir(request, tmp_path_factory):
 
 
 def _texts():
-    out = [QWEN_IMAGE_PROMPT_TEMPLATE.format(p) for p in PROMPTS]
+    out = [TEMPLATE.format(p) for p in PROMPTS]
     return out + PROMPTS
 
 
@@ -95,14 +94,14 @@ def test_template_prefix_token_count(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
     n = template_prefix_length(tok)
     print(f"\ntemplate prefix tokens with the embedded tokenizer: {n} (real Qwen-Image tokenizer: "
-          f"{QWEN_IMAGE_DROP_TOKENS})")
+          f"{DROP_TOKENS})")
     assert n == 46  # a property of the embedded corpus/vocabulary; update knowingly if CORPUS changes
     # the prefix tokens are a true prefix of any filled template's tokens
     for p in PROMPTS:
         if p.startswith(("\n", "\r", " ")):
             continue  # whitespace at the seam may merge with the template's trailing newline
-        full = tok.encode(QWEN_IMAGE_PROMPT_TEMPLATE.format(p)).ids
-        pre = tok.encode(QWEN_IMAGE_PROMPT_TEMPLATE.split("{}")[0]).ids
+        full = tok.encode(TEMPLATE.format(p)).ids
+        pre = tok.encode(TEMPLATE.split("{}")[0]).ids
         assert full[:n] == pre
 
 

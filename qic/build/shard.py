@@ -23,7 +23,7 @@ from qic import __version__
 from qic.build import plans
 from qic.build.components import Component, expected_tensors, source_digest
 from qic.checkpoint.reader import Checkpoint
-from qic.checkpoint.safetensors_file import DTYPE_NAMES, read_tensor
+from qic.checkpoint.safetensors_file import DTYPE_NAMES
 from qic.errors import CheckpointError
 from qic.fsutil import file_lock, staging_dir, write_json_atomic
 
@@ -62,12 +62,9 @@ def shard_component(ckpt: Checkpoint, component: Component, config, ckpt_digest:
             return ShardResult(key, final, hit, True, sum(p.stat().st_size for p in hit))
         plan = _plan(ckpt, component, config, tp, dtype)
         with staging_dir(final) as tmp:
-            files = []
-            for rank in range(tp):
-                path = tmp / f"rank{rank}.safetensors"
-                _write_rank(path, plan, ckpt.weights(component.folder).tensors, component, rank, tp,
-                            TORCH_DTYPES[dtype], progress)
-                files.append(path)
+            files = [tmp / f"rank{rank}.safetensors" for rank in range(tp)]
+            _write_ranks(files, plan, ckpt.weights(component.folder).tensors, component, TORCH_DTYPES[dtype],
+                         progress)
             stamps = {p.name: _stamp(p) for p in files}
             write_json_atomic(tmp / "meta.json", {"component": component.name, "tp": tp, "dtype": dtype,
                                                   "qic": __version__, "files": stamps})
@@ -138,33 +135,81 @@ def _plan(ckpt: Checkpoint, component: Component, config, tp: int, dtype: str) -
     return sorted(entries, key=lambda e: e.name)
 
 
-def _write_rank(path: Path, plan: list[_Entry], infos: dict, component: Component, rank: int, tp: int,
-                dtype: torch.dtype, progress) -> None:
-    header, shapes, offset = {}, {}, 0
+def _header(plan: list[_Entry], component: Component, rank: int, tp: int, dtype: torch.dtype) -> bytes:
+    header, offset = {}, 0
     for e in plan:
-        shape = tuple(plans.rank_slice(component.name, e.name, torch.empty(e.shape, device="meta"), rank, tp).shape)
+        shape = _rank_shape(component, e, rank, tp)
         nbytes = dtype.itemsize * _numel(shape)
         header[e.name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        shapes[e.name] = shape
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _rank_shape(component: Component, e: _Entry, rank: int, tp: int) -> tuple:
+    return tuple(plans.rank_slice(component.name, e.name, torch.empty(e.shape, device="meta"), rank, tp).shape)
+
+
+def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: Component, dtype: torch.dtype,
+                 progress) -> None:
+    """One pass over the source tensors writes every rank's file: each tensor is read once, into one
+    reused buffer, and its source pages are dropped from the page cache after use."""
+    tp = len(paths)
+    reader = _Reader(max((infos[e.source].nbytes for e in plan), default=0))
+    outs = [open(p, "wb") for p in paths]
+    try:
+        for rank, f in enumerate(outs):
+            f.write(_header(plan, component, rank, tp, dtype))
         for e in plan:  # in offset order: one tensor in memory at a time
-            t = component.convert({e.source: read_tensor(infos[e.source])})[e.name]
-            t = plans.rank_slice(component.name, e.name, t, rank, tp).to(dtype).contiguous()
-            assert tuple(t.shape) == shapes[e.name], e.name
-            if t.numel():
-                f.write(memoryview(t.view(torch.uint8).numpy()))
-            if progress:
-                progress(t.numel() * dtype.itemsize)
-            del t
+            t = component.convert({e.source: reader.read(infos[e.source])})[e.name]
+            for rank, f in enumerate(outs):
+                part = plans.rank_slice(component.name, e.name, t, rank, tp).to(dtype).contiguous()
+                assert tuple(part.shape) == _rank_shape(component, e, rank, tp), e.name
+                if part.numel():
+                    f.write(memoryview(part.view(torch.uint8).numpy()))
+                if progress:
+                    progress(part.numel() * dtype.itemsize)
+            del t, part
             if _TEST_DELAY:
                 time.sleep(_TEST_DELAY)
-        f.flush()
-        os.fsync(f.fileno())
+        for f in outs:
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in outs:
+            f.close()
+        reader.close()
+
+
+class _Reader:
+    """Positional reads into one reused buffer (a tensor returned is valid until the next read)."""
+
+    def __init__(self, capacity: int):
+        self.buf = bytearray(max(capacity, 1))
+        self.files: dict[Path, int] = {}
+
+    def read(self, info) -> torch.Tensor:
+        fd = self.files.get(info.path)
+        if fd is None:
+            fd = self.files[info.path] = os.open(info.path, os.O_RDONLY)
+        view = memoryview(self.buf)[:info.nbytes]
+        got = 0
+        while got < info.nbytes:
+            k = os.preadv(fd, [view[got:]], info.start + got)
+            if k <= 0:
+                raise CheckpointError(f"{info.path}: truncated while reading tensor {info.name}")
+            got += k
+        if hasattr(os, "posix_fadvise"):  # the source is read once: keep it out of the page cache
+            os.posix_fadvise(fd, info.start, info.nbytes, os.POSIX_FADV_DONTNEED)
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.torch_dtype)
+        return torch.frombuffer(self.buf, dtype=info.torch_dtype, count=info.nbytes // info.torch_dtype.itemsize
+                                ).view(info.shape)
+
+    def close(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
 
 
 def _numel(shape) -> int:

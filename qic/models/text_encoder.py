@@ -248,7 +248,10 @@ class _LanguageModel(nn.Module):
 
     def __init__(self, cfg: TextEncoderConfig, tp_size: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated under TP
+        # replicated under TP. Built uninitialised: weights are always loaded, and the default normal_
+        # init on the meta device (how the build sizes modules) costs a 1 s import of torch._dynamo.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(_DecoderLayer(cfg, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
+from qic.host.latents import unpack
 from qic.models.common import check_config_keys
 
 COMPONENT = "vae"
@@ -81,21 +82,6 @@ class VAEConfig:
 
 
 # ---------------------------------------------------------------------------------------------- packing
-
-def unpack_latents(packed: torch.Tensor, height: int, width: int, scale_factor: int) -> torch.Tensor:
-    """[B, (h/2)(w/2), 4z] -> [B, z, h, w] with h = height/sf, w = width/sf (inverse of pack_latents)."""
-    b, _, c4 = packed.shape
-    h, w = height // scale_factor, width // scale_factor
-    x = packed.reshape(b, h // 2, w // 2, c4 // 4, 2, 2)
-    return x.permute(0, 3, 1, 4, 2, 5).reshape(b, c4 // 4, h, w)
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, z, h, w] -> [B, (h/2)(w/2), 4z], the denoiser's token layout."""
-    b, c, h, w = latents.shape
-    x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
 
 # ----------------------------------------------------------------------------------------------- layers
 
@@ -252,7 +238,8 @@ class QwenVAEDecoder(nn.Module):
         return self.decoder(self.post_quant_conv(z)).clamp(-1.0, 1.0)
 
     def forward(self, packed_latents: torch.Tensor) -> torch.Tensor:
-        return self.decode(unpack_latents(packed_latents, self.height, self.width, self.config.scale_factor))
+        sf = self.config.scale_factor
+        return self.decode(unpack(packed_latents, self.height // sf // 2, self.width // sf // 2))
 
 
 # -------------------------------------------------------------------------------------------- weights

@@ -19,6 +19,7 @@ from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.runtime.bundle import Bundle
 
+
 @dataclass
 class Request:
     prompt: str
