@@ -11,8 +11,12 @@ import torch
 from qic.checkpoint.presets import preset
 from qic.errors import CheckpointError, ConfigError
 from qic.models.common import load_weights
-from qic.models.text_encoder import (QwenTextEncoder, TextEncoderConfig, text_encoder_state_dict,
-                                     text_encoder_tensor_name)
+from qic.models.text_encoder import (
+    QwenTextEncoder,
+    TextEncoderConfig,
+    text_encoder_state_dict,
+    text_encoder_tensor_name,
+)
 from tests.helpers import rel_l2, sensitize_
 
 transformers = pytest.importorskip("transformers")

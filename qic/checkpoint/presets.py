@@ -47,6 +47,13 @@ QWEN_IMAGE_SCHEDULER = {
 }
 
 
+# The real VAE's latent statistics (vae/config.json of Qwen/Qwen-Image).
+QWEN_IMAGE_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715,
+                           0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+QWEN_IMAGE_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652,
+                          1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+
+
 def _text_encoder(hidden, intermediate, layers, heads, kv_heads, mrope_section, vocab, vision_out):
     return {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],
@@ -155,6 +162,18 @@ PRESETS = {
                     latents_std=(1.5, 2.0, 0.8, 1.2, 2.5, 1.1, 0.9, 1.7)),
         "scheduler": QWEN_IMAGE_SCHEDULER,
         "default_resolution": (40, 24),
+    },
+    # Large enough that a denoise step is dominated by matrix work (head_dim 128 like the real model),
+    # small enough to compile in minutes here: the run benchmark's checkpoint.
+    "small": {
+        "text_encoder": _text_encoder(hidden=256, intermediate=704, layers=4, heads=4, kv_heads=2,
+                                      mrope_section=(8, 12, 12), vocab=TOKENIZER_VOCAB, vision_out=256),
+        "transformer": _transformer(in_channels=64, out_channels=16, layers=4, head_dim=128, heads=4,
+                                    joint_dim=256, axes=(16, 56, 56)),
+        "vae": _vae(base_dim=32, z_dim=16, dim_mult=(1, 2, 4, 4), temperal_downsample=(False, True, True),
+                    latents_mean=QWEN_IMAGE_LATENTS_MEAN, latents_std=QWEN_IMAGE_LATENTS_STD),
+        "scheduler": QWEN_IMAGE_SCHEDULER,
+        "default_resolution": (256, 256),
     },
 }
 
