@@ -78,6 +78,7 @@ def inspect(bundle):
 @click.option("--prompts-file", type=click.Path(dir_okay=False),
               help="Resident mode: one prompt per line, or JSONL with per-line options.")
 @click.option("--interactive", is_flag=True, help="Resident mode: read prompts from the terminal.")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
 @_friendly
 def run(bundle, **options):

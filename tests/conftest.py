@@ -18,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 QIC = [sys.executable, "-m", "qic.cli"]
 TINY_RES = (48, 80)      # (height, width), non-square on purpose
+SHORT_PROMPT = "a red bicycle"
 SECOND_RES = (32, 48)
 BUCKETS = (72, 128)      # the tiny tokenizer's template alone is 53 tokens
 

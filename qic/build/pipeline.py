@@ -13,6 +13,7 @@ import torch
 from qic import __version__
 from qic.backends import get_backend
 from qic.build import compile as stage2
+from qic.build import plans
 from qic.build.bundle import write_bundle
 from qic.build.components import COMPONENTS, expected_tensors
 from qic.build.graphs import TORCH_DTYPES, GraphDef, denoiser_graph, text_encoder_graph, vae_decoder_graph
@@ -78,10 +79,12 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
             raise ConfigError(f"text bucket {b} is too small for the prompt template ({template_len} tokens "
                               f"with an empty prompt); use buckets > {template_len}")
     for name in spec.components:
-        expected_tensors(COMPONENTS[name], ctx.configs[name], spec.tp)  # raises naming head counts
-    if spec.tp > 1:
-        raise ConfigError(f"tp={spec.tp}: tensor-parallel graphs are not compiled by this qic version yet "
-                          "(stage 1 can shard them)", "build with --tp 1")
+        expected_tensors(COMPONENTS[name], ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
+
+
+def tp_of(component: str, tp: int) -> int:
+    """Replicated components (no plan entries, e.g. the VAE decoder) are sharded and compiled once."""
+    return tp if plans.PLANS[component] else 1
 
 
 def build(spec: BuildSpec, progress=None) -> BuildReport:
@@ -99,8 +102,8 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
     for name in spec.components:
         comp = COMPONENTS[name]
         t = time.perf_counter()
-        res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, spec.tp, spec.dtype_of(name), ctx.cache,
-                              _tick(progress, "shard", name))
+        res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp_of(name, spec.tp), spec.dtype_of(name),
+                              ctx.cache, _tick(progress, "shard", name))
         shards[name] = res
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
 
@@ -112,7 +115,8 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         comp_name, maker, shape = gspec
         configs = {f: ctx.raw[f] for f in _CONFIG_DEPS[comp_name]}
         dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
-        skey = stage2.spec_key(_graph_name(comp_name, shape), shape, dtype, spec.tp, configs, identity, code)
+        skey = stage2.spec_key(_graph_name(comp_name, shape), shape, dtype, tp_of(comp_name, spec.tp), configs,
+                               identity, code)
         weights_path = shards[comp_name].files[0]
         weight_names = set(_header_names(weights_path))
         if progress:
@@ -185,11 +189,30 @@ def _compile(lazy: _LazyGraph, backend, weight_names, cache, skey):
 def _bound_module(ctx: Context, component: str, weights_path: Path) -> torch.nn.Module:
     """The eager module with memory-mapped shard tensors assigned (no copy, nothing touched)."""
     comp = COMPONENTS[component]
+    tp = tp_of(component, ctx.spec.tp)
     with torch.device("meta"):
-        module = comp.make_module(ctx.configs[component], tp_size=ctx.spec.tp)
+        module = comp.make_module(ctx.configs[component], tp_size=tp)
     module.load_state_dict(mmap_safetensors(weights_path), strict=True, assign=True)
     dtype = TORCH_DTYPES[comp.fixed_dtype or ctx.spec.dtype_of(component)]
-    return module.to(dtype)
+    module = module.to(dtype)
+    if tp > 1:
+        # The all-reduces enter the graph by the world group's name; at run time each rank's gloo/NCCL
+        # world group has that name. Tracing needs a group of the right size: a fake one, no peers.
+        from qic.parallel.tp import apply_tp
+        _fake_world(tp)
+        apply_tp(module)
+    return module
+
+
+def _fake_world(tp: int) -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        if dist.get_world_size() != tp:
+            raise ConfigError(f"a process group of {dist.get_world_size()} ranks is active; building tp={tp} "
+                              "needs none (build from a plain process)")
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
 
 
 def _header_names(path: Path) -> list[str]:

@@ -32,7 +32,7 @@ class Graph:
 class Bundle:
     """A verified, loaded bundle: tokenizer, settings, and graphs by (component, resolution, bucket)."""
 
-    def __init__(self, path: str | Path, device: str | None = None):
+    def __init__(self, path: str | Path, device: str | None = None, rank: int = 0, world: int = 1):
         t0 = time.perf_counter()
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
@@ -40,8 +40,10 @@ class Bundle:
         # Every file, compiled code included, is hashed before any of it is loaded.
         verify_files(self.path, m)
         self.device = device or m["device"]
-        if m["tp"] != 1:
-            raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}; this runtime runs tp=1 bundles")
+        if m["tp"] != world:
+            raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}, but {world} rank(s) run it",
+                              f"run it with --tp {m['tp']}")
+        self.rank, self.world = rank, world
         self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
         self.resolutions = [tuple(r) for r in m["resolutions"]]
         self.buckets = list(m["text_buckets"])
@@ -52,10 +54,11 @@ class Bundle:
         self.graphs: dict[tuple, Graph] = {}
         for g in m["graphs"]:
             constants = {}
-            for rel in g["weights"]:
-                if rel not in shards:
-                    shards[rel] = mmap_safetensors(self.path / rel)
-                constants.update({g["weight_prefix"] + k: v for k, v in shards[rel].items()})
+            # Tensor-parallel components have one weight file per rank; replicated ones have one in all.
+            rel = g["weights"][rank] if len(g["weights"]) > 1 else g["weights"][0]
+            if rel not in shards:
+                shards[rel] = mmap_safetensors(self.path / rel)
+            constants.update({g["weight_prefix"] + k: v for k, v in shards[rel].items()})
             if g["constants_file"]:
                 constants.update(mmap_safetensors(self.path / g["constants_file"]))
             missing = [n for n in g["weight_inputs"] if n not in constants]

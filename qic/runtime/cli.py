@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from qic.errors import ConfigError
+from qic.manifest import read_manifest
+from qic.parallel.ranks import init_from_env, spawn
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from qic.runtime.png import save_png
@@ -16,19 +19,50 @@ _OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "heigh
 
 
 def run_cli(bundle_path: str, options: dict) -> None:
+    """Check everything that can be checked before any rank starts, then serve on 1 or N ranks."""
     modes = sum(bool(x) for x in (options.get("prompt"), options.get("prompts_file"), options.get("interactive")))
     if modes != 1:
         raise ConfigError("give exactly one of --prompt, --prompts-file, --interactive")
+    if options.get("prompts_file"):
+        _read_prompts(Path(options["prompts_file"]))
+    built_tp = read_manifest(Path(bundle_path))["tp"]
+    asked = options.get("tp")
+    if asked is not None and asked != built_tp:
+        raise ConfigError(f"--tp {asked} asked for, but the bundle was built for tp={built_tp}",
+                          f"run with --tp {built_tp} or rebuild with --tp {asked}")
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
+        world = int(os.environ["WORLD_SIZE"])
+        if world != built_tp:
+            raise ConfigError(f"torchrun started {world} rank(s); the bundle was built for tp={built_tp}",
+                              f"use torchrun --nproc-per-node {built_tp}")
+        rank, world, _ = init_from_env()
+        serve(bundle_path, options, rank, world)
+    elif built_tp == 1:
+        serve(bundle_path, options, 0, 1)
+    else:
+        if options.get("interactive"):
+            raise ConfigError("--interactive runs one rank; use --prompts-file with a tensor-parallel bundle")
+        threads = max(1, (os.cpu_count() or 1) // built_tp)
+        spawn(serve, built_tp, bundle_path, options, threads=threads, timeout=7 * 24 * 3600.0)
+
+
+def serve(bundle_path_or_rank, *args) -> None:
+    """One rank's work: load once, then every prompt. Only rank 0 writes files and prints."""
+    if isinstance(bundle_path_or_rank, int):  # spawned: (rank, world, bundle_path, options)
+        rank, world, bundle_path, options = bundle_path_or_rank, *args
+    else:
+        bundle_path, options, rank, world = bundle_path_or_rank, *args
     base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
     t0 = time.perf_counter()
-    bundle = Bundle(bundle_path)
+    bundle = Bundle(bundle_path, rank=rank, world=world)
     load = time.perf_counter() - t0
     verbose = options.get("verbose")
+    lead = rank == 0
     if options.get("prompt"):
-        _one(bundle, base, 0, load, verbose)
+        _one(bundle, base, 0, load, verbose, lead=lead)
     elif options.get("prompts_file"):
         for i, line_opts in enumerate(_read_prompts(Path(options["prompts_file"]))):
-            _one(bundle, {**base, **line_opts}, i, load if i == 0 else 0.0, verbose, resident=True)
+            _one(bundle, {**base, **line_opts}, i, load if i == 0 else 0.0, verbose, resident=True, lead=lead)
     else:
         i = 0
         print("qic interactive: type a prompt, or an empty line to quit.", file=sys.stderr)
@@ -43,13 +77,16 @@ def run_cli(bundle_path: str, options: dict) -> None:
             i += 1
 
 
-def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, resident: bool = False) -> None:
+def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, resident: bool = False,
+         lead: bool = True) -> None:
     output = opts.pop("output", None) or "image.png"
     if resident:
         p = Path(output)
         output = str(p.with_name(f"{p.stem}-{index:03d}{p.suffix or '.png'}"))
     req = Request(**{k: v for k, v in opts.items() if k in Request.__dataclass_fields__})
     result = generate(bundle, req)
+    if not lead:
+        return
     t = time.perf_counter()
     path = save_png(result, bundle.id, output)
     result.timings["save"] = time.perf_counter() - t
