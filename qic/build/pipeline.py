@@ -82,6 +82,10 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
         expected_tensors(COMPONENTS[name], ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
 
 
+def _looped(spec: BuildSpec, component: str) -> bool:
+    return spec.layers_of(component) == "looped" and COMPONENTS[component].stackable
+
+
 def tp_of(component: str, tp: int) -> int:
     """Replicated components (no plan entries, e.g. the VAE decoder) are sharded and compiled once."""
     return tp if plans.PLANS[component] else 1
@@ -103,7 +107,7 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         comp = COMPONENTS[name]
         t = time.perf_counter()
         res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp_of(name, spec.tp), spec.dtype_of(name),
-                              ctx.cache, _tick(progress, "shard", name))
+                              ctx.cache, _tick(progress, "shard", name), looped=_looped(spec, name))
         shards[name] = res
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
 
@@ -115,8 +119,8 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         comp_name, maker, shape = gspec
         configs = {f: ctx.raw[f] for f in _CONFIG_DEPS[comp_name]}
         dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
-        skey = stage2.spec_key(_graph_name(comp_name, shape), shape, dtype, tp_of(comp_name, spec.tp), configs,
-                               identity, code)
+        skey = stage2.spec_key(_graph_name(comp_name, shape), {**shape, "looped": _looped(spec, comp_name)}, dtype,
+                               tp_of(comp_name, spec.tp), configs, identity, code)
         weights_path = shards[comp_name].files[0]
         weight_names = set(_header_names(weights_path))
         if progress:
@@ -191,7 +195,7 @@ def _bound_module(ctx: Context, component: str, weights_path: Path) -> torch.nn.
     comp = COMPONENTS[component]
     tp = tp_of(component, ctx.spec.tp)
     with torch.device("meta"):
-        module = comp.make_module(ctx.configs[component], tp_size=tp)
+        module = comp.make_module(ctx.configs[component], tp_size=tp, looped=_looped(ctx.spec, component))
     module.load_state_dict(mmap_safetensors(weights_path), strict=True, assign=True)
     dtype = TORCH_DTYPES[comp.fixed_dtype or ctx.spec.dtype_of(component)]
     module = module.to(dtype)

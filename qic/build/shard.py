@@ -41,9 +41,10 @@ class ShardResult:
     bytes: int
 
 
-def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str) -> str:
+def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str, looped: bool = False) -> str:
     h = hashlib.sha256()
     for part in (b"qic-shard-v1", ckpt_digest.encode(), component.name.encode(), str(tp).encode(), dtype.encode(),
+                 b"looped" if looped else b"unrolled",
                  str(plans.PLAN_VERSION).encode(), json.dumps(plans.PLANS[component.name]).encode(),
                  source_digest(component)):
         h.update(part + b"\0")
@@ -51,16 +52,21 @@ def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str) -> st
 
 
 def shard_component(ckpt: Checkpoint, component: Component, config, ckpt_digest: str, tp: int, dtype: str,
-                    cache_dir: Path, progress=None) -> ShardResult:
-    """Per-rank safetensors for one component, from the cache when present and intact."""
+                    cache_dir: Path, progress=None, looped: bool = False) -> ShardResult:
+    """Per-rank safetensors for one component, from the cache when present and intact.
+
+    looped: block weights are written stacked ([num_layers, ...], see qic.models.looped) for graphs
+    that loop over one block.
+    """
     dtype = component.fixed_dtype or dtype
-    key = shard_key(ckpt_digest, component, tp, dtype)
+    looped = looped and component.stackable
+    key = shard_key(ckpt_digest, component, tp, dtype, looped)
     final = Path(cache_dir) / "shards" / f"{component.name}-{key}"
     with file_lock(Path(cache_dir) / "locks" / f"shard-{key}.lock"):
         hit = _intact(final, tp)
         if hit:
             return ShardResult(key, final, hit, True, sum(p.stat().st_size for p in hit))
-        plan = _plan(ckpt, component, config, tp, dtype)
+        plan = _groups(_plan(ckpt, component, config, tp, dtype), component, config, tp, looped)
         with staging_dir(final) as tmp:
             files = [tmp / f"rank{rank}.safetensors" for rank in range(tp)]
             _write_ranks(files, plan, ckpt.weights(component.folder).tensors, component, TORCH_DTYPES[dtype],
@@ -135,6 +141,37 @@ def _plan(ckpt: Checkpoint, component: Component, config, tp: int, dtype: str) -
     return sorted(entries, key=lambda e: e.name)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One output tensor: a single module tensor, or layer tensors stacked in layer order."""
+    name: str
+    entries: tuple[_Entry, ...]
+    stacked: bool
+
+
+def _groups(entries: list[_Entry], component: Component, config, tp: int, looped: bool) -> list[_Group]:
+    if not looped:
+        return [_Group(e.name, (e,), False) for e in entries]
+    from qic.models.looped import stacked_name
+    stacks: dict[str, list] = {}
+    groups = []
+    for e in entries:
+        hit = stacked_name(e.name)
+        if hit is None:
+            groups.append(_Group(e.name, (e,), False))
+        else:
+            stacks.setdefault(hit[0], []).append((hit[1], e))
+    for name, items in stacks.items():
+        groups.append(_Group(name, tuple(e for _, e in sorted(items, key=lambda x: x[0])), True))
+    expected = expected_tensors(component, config, tp, looped=True)
+    for g in groups:
+        shape = _rank_shape(component, g, 0, tp)
+        if expected.get(g.name) != shape:
+            raise CheckpointError(f"{component.name}: stacked tensor {g.name} would be {shape}, "
+                                  f"the looped model expects {expected.get(g.name)}")
+    return sorted(groups, key=lambda g: g.name)
+
+
 def _header(plan: list[_Entry], component: Component, rank: int, tp: int, dtype: torch.dtype) -> bytes:
     header, offset = {}, 0
     for e in plan:
@@ -147,8 +184,12 @@ def _header(plan: list[_Entry], component: Component, rank: int, tp: int, dtype:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _rank_shape(component: Component, e: _Entry, rank: int, tp: int) -> tuple:
-    return tuple(plans.rank_slice(component.name, e.name, torch.empty(e.shape, device="meta"), rank, tp).shape)
+def _rank_shape(component: Component, g, rank: int, tp: int) -> tuple:
+    """A rank's shape of an entry or group: a stack is its layers' rank shapes behind a layer dim."""
+    if isinstance(g, _Group):
+        one = _rank_shape(component, g.entries[0], rank, tp)
+        return (len(g.entries), *one) if g.stacked else one
+    return tuple(plans.rank_slice(component.name, g.name, torch.empty(g.shape, device="meta"), rank, tp).shape)
 
 
 def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: Component, dtype: torch.dtype,
@@ -156,12 +197,13 @@ def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: 
     """One pass over the source tensors writes every rank's file: each tensor is read once, into one
     reused buffer, and its source pages are dropped from the page cache after use."""
     tp = len(paths)
-    reader = _Reader(max((infos[e.source].nbytes for e in plan), default=0))
+    reader = _Reader(max((infos[e.source].nbytes for g in plan for e in g.entries), default=0))
     outs = [open(p, "wb") for p in paths]
     try:
         for rank, f in enumerate(outs):
             f.write(_header(plan, component, rank, tp, dtype))
-        for e in plan:  # in offset order: one tensor in memory at a time
+        # In offset order, one tensor in memory at a time; a stack is its layers written back to back.
+        for e in (e for g in plan for e in g.entries):
             t = component.convert({e.source: reader.read(infos[e.source])})[e.name]
             for rank, f in enumerate(outs):
                 part = plans.rank_slice(component.name, e.name, t, rank, tp).to(dtype).contiguous()
