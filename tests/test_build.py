@@ -116,7 +116,7 @@ def _kill_when(proc: subprocess.Popen, condition, timeout=120):
 
 def test_sigkill_while_sharding_then_rerun(tmp_path, tiny_ckpt):
     cache, out = tmp_path / "cache", tmp_path / "bundle"
-    args = ("--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72")
+    args = ("--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,")
     env = {**os.environ, "QIC_TEST_SHARD_DELAY": "0.05"}
     proc = subprocess.Popen(_build_cmd(tiny_ckpt, cache, out, *args), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -265,7 +265,7 @@ def test_resolution_not_a_multiple_of_twice_the_vae_scale(tmp_path, tiny_ckpt, t
 
 
 def test_text_bucket_too_small_for_the_template(tmp_path, tiny_ckpt):
-    _fails(tmp_path, "--model", tiny_ckpt, "--text-buckets", "40", expect="too small for the prompt template")
+    _fails(tmp_path, "--model", tiny_ckpt, "--text-buckets", "40,", expect="too small for the prompt template")
 
 
 def test_unknown_backend(tmp_path, tiny_ckpt):

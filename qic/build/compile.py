@@ -126,8 +126,8 @@ class WeightsAsInputs(torch.nn.Module):
 
 
 def graph_key(program, gdef: GraphDef, owned: dict, identity: dict) -> str:
-    h = hashlib.sha256(b"qic-graph-v1")
-    h.update(program.graph_module.code.encode())
+    h = hashlib.sha256(b"qic-graph-v2")
+    h.update(graph_text(program).encode())
     h.update(str(program.graph_signature).encode())
     h.update(json.dumps([[n, list(t.shape), str(t.dtype)] for n, t in gdef.inputs]).encode())
     h.update(json.dumps({"dynamic": bool(gdef.dynamic), "outputs": gdef.outputs, "backend": identity},
@@ -137,6 +137,14 @@ def graph_key(program, gdef: GraphDef, owned: dict, identity: dict) -> str:
         h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:32]
+
+
+def graph_text(program) -> str:
+    """The whole exported graph as text: every nested graph (scan bodies are submodules, absent from
+    the top-level code) with each value's dtype and shape, so weight shapes (TP=1 vs TP=2) count.
+    Source-location comments are dropped: they name paths that differ between checkouts."""
+    text = program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
+    return "\n".join(line for line in text.splitlines() if not line.strip().startswith("#"))
 
 
 def _lookup(cache_dir: Path, gkey: str):
