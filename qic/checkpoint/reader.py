@@ -13,6 +13,7 @@ import torch
 
 from qic.checkpoint.safetensors_file import Header, TensorInfo, read_header, read_tensor
 from qic.errors import CheckpointError
+from qic.manifest import sha256_file
 
 COMPONENTS = ("text_encoder", "transformer", "vae")
 
@@ -142,11 +143,3 @@ def file_identity(path: Path, full: bool = False) -> str:
     if path.suffix == ".json":  # small: hash content so an edited config is always seen
         return f"sha256:{sha256_file(path)}"
     return f"stat:{st.st_size}:{st.st_mtime_ns}:{st.st_dev}:{st.st_ino}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
