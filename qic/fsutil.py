@@ -11,11 +11,23 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def public_mode(path: Path, directory: bool = False) -> None:
+    """Temp files and dirs are created private (0600/0700); give finished ones the usual umask mode."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        public_mode(Path(tmp))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -42,6 +54,7 @@ def staging_dir(final: Path):
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-{os.getpid()}-"))
+    public_mode(tmp, directory=True)
     try:
         yield tmp
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from qic import __version__
-from qic.fsutil import link_or_copy, replace_dir
+from qic.fsutil import link_or_copy, public_mode, replace_dir
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.manifest import MANIFEST, file_entry, finalize
 
@@ -35,6 +35,7 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    public_mode(tmp, directory=True)
     try:
         files: list[str] = []
         for name in _TOKENIZER_FILES:
