@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,8 +63,13 @@ def spec_key(gdef_name: str, shape: dict, dtype: str, tp: int, configs: dict, id
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def compile_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_dir: Path,
-                  skey: str) -> GraphArtifact:
+def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, weight_names: set[str],
+                  cache_dir: Path, skey: str) -> GraphArtifact:
+    """The artifact for a graph: by spec key from the memo, by graph key from the cache, or compiled.
+
+    `gdef` may be a zero-argument callable, called only on a memo miss: building a GraphDef binds
+    (memory-maps) weights, which a no-op build should not do.
+    """
     cache_dir = Path(cache_dir)
     memo = cache_dir / "index" / skey
     t0 = time.perf_counter()
@@ -71,6 +77,8 @@ def compile_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cach
         art = _lookup(cache_dir, memo.read_text().strip())
         if art:
             return GraphArtifact(art[0], art[1], art[2], True, time.perf_counter() - t0)
+    if callable(gdef):
+        gdef = gdef()
     module = gdef.module.eval()
     args = tuple(t for _, t in gdef.inputs)
     tensors = dict(module.named_parameters())

@@ -16,7 +16,7 @@ from qic.build import compile as stage2
 from qic.build import plans
 from qic.build.bundle import write_bundle
 from qic.build.components import COMPONENTS, expected_tensors
-from qic.build.graphs import TORCH_DTYPES, GraphDef, denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.build.graphs import TORCH_DTYPES, denoiser_graph, text_encoder_graph, vae_decoder_graph
 from qic.build.shard import shard_component
 from qic.build.source import resolve_model
 from qic.errors import ConfigError
@@ -125,8 +125,8 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         weight_names = set(_header_names(weights_path))
         if progress:
             progress("compile", _graph_name(comp_name, shape), None)
-        gdef = _LazyGraph(lambda m=maker, p=weights_path, c=comp_name: m(_bound_module(ctx, c, p)))
-        art = _compile(gdef, backend, weight_names, ctx.cache, skey)
+        art = stage2.compile_graph(lambda m=maker, p=weights_path, c=comp_name: m(_bound_module(ctx, c, p)),
+                                   backend, weight_names, ctx.cache, skey)
         artifacts.append(art)
         report.rows.append(Row("compile", art.meta["graph"], art.cached,
                                sum(f["bytes"] for f in art.meta["files"].values()), art.seconds))
@@ -167,27 +167,6 @@ def _graph_name(component: str, shape: dict) -> str:
     if "bucket" in shape:
         parts.append(f"L{shape['bucket'] or 'exact'}")
     return "@".join(parts)
-
-
-class _LazyGraph:
-    """Builds the GraphDef (binding weights) only when the compile cache misses."""
-
-    def __init__(self, make):
-        self._make, self._gdef = make, None
-
-    def get(self) -> GraphDef:
-        if self._gdef is None:
-            self._gdef = self._make()
-        return self._gdef
-
-
-def _compile(lazy: _LazyGraph, backend, weight_names, cache, skey):
-    memo = cache / "index" / skey
-    if memo.is_file():
-        hit = stage2._lookup(cache, memo.read_text().strip())
-        if hit:
-            return stage2.GraphArtifact(hit[0], hit[1], hit[2], True, 0.0)
-    return stage2.compile_graph(lazy.get(), backend, weight_names, cache, skey)
 
 
 def _bound_module(ctx: Context, component: str, weights_path: Path) -> torch.nn.Module:
