@@ -209,12 +209,17 @@ def _rank_eager(rank: int, tp: int, ckpt_root: str, files: dict) -> dict:
     return {"out": out, "broken": broken, "refused": refused}
 
 
-def _rank_kill(rank: int, tp: int, files: dict) -> dict | None:
-    """Rank 1 dies before the first all_reduce; rank 0 must get an error, not hang."""
-    cfg = _parsed(_configs())
-    m = QwenTextEncoder(cfg["text_encoder"], tp).eval()
+def _tp_text_encoder(rank: int, tp: int, files: dict) -> QwenTextEncoder:
+    """This rank's text encoder: its stage-1 shard loaded, all-reduces hooked to the world group."""
+    m = QwenTextEncoder(_parsed(_configs())["text_encoder"], tp).eval()
     m.load_state_dict(load_file(files["text_encoder"][rank]))
     T.apply_tp(m)
+    return m
+
+
+def _rank_kill(rank: int, tp: int, files: dict) -> dict | None:
+    """Rank 1 dies before the first all_reduce; rank 0 must get an error, not hang."""
+    m = _tp_text_encoder(rank, tp, files)
     if rank == 1:
         time.sleep(1.0)  # let rank 0 reach the collective first
         os._exit(3)
@@ -288,10 +293,7 @@ def _rank_compiled(rank: int, tp: int, files: dict, workdir: str) -> dict:
 
 def _rank_hang(rank: int, tp: int, files: dict) -> dict | None:
     """Rank 1 stays alive but never joins the all_reduce: the process group's timeout must fire."""
-    cfg = _parsed(_configs())
-    m = QwenTextEncoder(cfg["text_encoder"], tp).eval()
-    m.load_state_dict(load_file(files["text_encoder"][rank]))
-    T.apply_tp(m)
+    m = _tp_text_encoder(rank, tp, files)
     if rank == 1:
         time.sleep(HANG_TIMEOUT_S + 5)
         os._exit(3)
