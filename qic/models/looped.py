@@ -51,8 +51,10 @@ unchanged: embedding, mask and output code exist once.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -148,6 +150,23 @@ def unstack_block_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
 
 # ---------------------------------------------------------------------------------------------- loop
 
+# A back end whose tensors cannot run torch's scan operator (XLA lazy tensors have no as_strided, which
+# the operator's slicing needs) supplies its own device-side loop here; the layer arithmetic stays this
+# module's. Signature: loop(layer, carry, xs, invariants) -> final carry list, where
+# layer(carry, weights, invariants) -> (next carry list, per-layer 0-dim output).
+_LOOP = contextvars.ContextVar("qic_layer_loop", default=None)
+
+
+@contextlib.contextmanager
+def layer_loop(loop: Callable):
+    """Run every StackedLayers inside this block with `loop` instead of torch's scan operator."""
+    token = _LOOP.set(loop)
+    try:
+        yield
+    finally:
+        _LOOP.reset(token)
+
+
 def _param_tree(template: nn.Module, num_layers: int) -> nn.Module:
     """A module tree mirroring the template's, each parameter replaced by [num_layers, *shape].
 
@@ -216,7 +235,10 @@ class StackedLayers(nn.Module):
             # ("<built-in function getitem> is not an OpOverload"); it costs an [L] tensor.
             return out, out[0].new_zeros(())
 
-        if torch.compiler.is_compiling():
+        custom = _LOOP.get()
+        if custom is not None:
+            final = custom(layer, list(carry), list(xs.values()), invariants)
+        elif torch.compiler.is_compiling():
             # Under dynamo (torch.compile, strict export) only the public wrapper is captured; it lifts
             # the closed-over invariants into additional_inputs itself.
             final, _ = scan(lambda c, w: layer(c, w, invariants), list(carry), list(xs.values()))
