@@ -130,3 +130,8 @@ def test_failed_compile_reported_after_the_others_finish(fake_cc, tmp_path):
     assert (good / "model.neff").is_file() and not (bad / "model.neff").exists()
     assert "ERROR: [fake]" in (bad / "compile-failed.log").read_text()
     assert not [p for p in bad.iterdir() if p.name.startswith(".tmp-")]     # no half-written work dir
+    # Fixed and rebuilt: only the failed graph compiles, and its stale failure log goes.
+    (bad / "model.hlo_module.pb").write_bytes(b"fixed")
+    compile_many(jobs, max_workers=2)
+    assert len([c for c in fake_cc() if c["argv"][0] == "compile"]) == 3
+    assert (bad / "model.neff").is_file() and not (bad / "compile-failed.log").exists()

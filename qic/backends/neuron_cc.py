@@ -92,7 +92,11 @@ def default_flags(component: str, lnc: int = 1, target: str = "trn2") -> list[st
 def component_flags(component: str, compiler_args: str | Sequence[str] | None = None, lnc: int = 1,
                     target: str = "trn2") -> list[str]:
     """Defaults merged with the component's `compiler_args` from the build config; an option given in
-    both takes the config's value (the defaults' position is kept, so commands stay readable)."""
+    both takes the config's value (the defaults' position is kept, so commands stay readable).
+
+    `compiler_args` is a string (split like a shell would) or a list. A value that itself starts with
+    '-' must be attached: --tensorizer-options='--enable-ccop-compute-overlap'.
+    """
     extra = _split(compiler_args, component)
     for name, _ in extra:
         if name in RESERVED:
@@ -133,12 +137,13 @@ def compile_neff(hlo_path: str | Path, out_dir: str | Path, args: Sequence[str],
     if compiler is None:
         raise ConfigError(find()[1], "build on a Trainium host with the Neuron SDK installed")
     compiler_version = compiler_version or version(compiler)
-    key = cache_key(sha256_file(hlo_path), compiler_version, args)
+    hlo_sha = sha256_file(hlo_path)
+    key = cache_key(hlo_sha, compiler_version, args)
     out_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(out_dir / f".{NEFF}.lock"):
         if cached(out_dir, key):
             return out_dir / NEFF
-        return _compile(hlo_path, out_dir, list(args), compiler, compiler_version, key, timeout)
+        return _compile(hlo_path, hlo_sha, out_dir, list(args), compiler, compiler_version, key, timeout)
 
 
 def cached(out_dir: Path, key: str) -> bool:
@@ -150,8 +155,8 @@ def cached(out_dir: Path, key: str) -> bool:
         return False
 
 
-def _compile(hlo_path: Path, out_dir: Path, args: list[str], compiler: str, compiler_version: str, key: str,
-             timeout: float | None) -> Path:
+def _compile(hlo_path: Path, hlo_sha: str, out_dir: Path, args: list[str], compiler: str,
+             compiler_version: str, key: str, timeout: float | None) -> Path:
     work = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".tmp-neff-{os.getpid()}-"))
     cmd = [compiler, "compile", str(hlo_path), "--framework", "XLA", *args, "--output", NEFF, "--logfile", LOG]
     t0 = time.perf_counter()
@@ -169,13 +174,17 @@ def _compile(hlo_path: Path, out_dir: Path, args: list[str], compiler: str, comp
             why = rc if isinstance(rc, str) else f"exit status {rc}" if rc else "no NEFF written"
             raise CompileError(f"{COMPILER} failed on {hlo_path} ({why}); full log: {kept}\n{tail}",
                                "fix the graph or the component's compiler_args, then rebuild")
+        # The old record goes first: a crash between the renames below leaves a NEFF with no record
+        # (recompiled next time), never a record describing another NEFF.
+        (out_dir / RECORD).unlink(missing_ok=True)
+        (out_dir / "compile-failed.log").unlink(missing_ok=True)
         for name in (NEFF, LOG, OUTPUT):
             if (work / name).is_file():
                 public_mode(work / name)
                 os.replace(work / name, out_dir / name)
         write_json_atomic(out_dir / RECORD, {
             "key": key, "compiler": compiler_version, "flags": args, "canonical_flags": canonical_flags(args),
-            "command": [COMPILER, *cmd[1:]], "hlo_sha256": sha256_file(hlo_path),
+            "command": [COMPILER, *cmd[1:]], "hlo_sha256": hlo_sha,
             "bytes": (out_dir / NEFF).stat().st_size, "seconds": round(time.perf_counter() - t0, 2)})
         return out_dir / NEFF
     finally:
