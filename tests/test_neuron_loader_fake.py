@@ -40,12 +40,18 @@ def rank_main(neff, shard, rank, world, log, out):
     x0 = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     outs = [run([x0 + i, torch.full((4,), 0.5)]) for i in range(2)]
     run.close()
+    error = None
+    if world == 1:   # one weight too many: input1 would receive w0's 4 bytes; refused before any write
+        try:
+            neuron_loader.load(neff, [shards["w0"]] + [shards[f"w{k}"] for k in range(len(shards))], "neuron")
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
     neuron_loader.shutdown()
     bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch_xla", "torch_neuronx")
                  or m.startswith(("qic.models", "qic.build")))
     with open(out, "w") as f:
         json.dump({"outs": [[o.tolist() for o in r] for r in outs], "dtypes": [str(o.dtype) for o in outs[0]],
-                   "forbidden": bad}, f)
+                   "forbidden": bad, "error": error}, f)
 
 if __name__ == "__main__":
     procs = [mp.get_context("fork").Process(target=rank_main, args=tuple(job)) for job in json.loads(sys.argv[1])]
@@ -128,6 +134,8 @@ def test_fake_libnrt_call_order_tp1(ranks):
     assert names.index("nrt_unload") > execs[1] and names[-1] == "nrt_close"
     assert result["outs"][0][0] == expected_output0(0, 0) and result["outs"][1][0] == expected_output0(0, 1)
     assert result["dtypes"] == ["torch.float32", "torch.int64"] and result["forbidden"] == []
+    assert result["error"].startswith("BundleError: ")
+    assert "tensor input1 has 4 bytes, the NEFF expects 16" in result["error"]
 
 
 def test_fake_libnrt_per_rank_weights_tp4(ranks):

@@ -162,12 +162,11 @@ class _Model:
         self.lib, self.path, self.handle = lib, path, ctypes.c_void_p()
         self.tensors: list[ctypes.c_void_p] = []
         self.sets: list[ctypes.c_void_p] = []
-        buf = ctypes.create_string_buffer(neff, len(neff))
         if world > 1:
-            _check(lib.nrt_load_collectives(buf, len(neff), 0, -1, rank, world, ctypes.byref(self.handle)),
+            _check(lib.nrt_load_collectives(neff, len(neff), 0, -1, rank, world, ctypes.byref(self.handle)),
                    "nrt_load_collectives", path)
         else:
-            _check(lib.nrt_load(buf, len(neff), 0, -1, ctypes.byref(self.handle)), "nrt_load", path)
+            _check(lib.nrt_load(neff, len(neff), 0, -1, ctypes.byref(self.handle)), "nrt_load", path)
         try:
             ins, outs = self._tensor_info()
             n_inputs = len(ins) - len(weights)
