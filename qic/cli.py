@@ -89,5 +89,14 @@ def run(bundle, **options):
     run_cli(bundle, options)
 
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@_friendly
+def doctor(as_json):
+    """Which back ends, devices and compilers this machine has, and why not where not."""
+    from qic.cli_doctor import run_doctor
+    run_doctor(as_json)
+
+
 if __name__ == "__main__":
     main()

@@ -23,3 +23,7 @@ class CheckpointError(QicError):
 
 class BundleError(QicError):
     """A bundle is missing, tampered with, or incompatible with this qic/torch."""
+
+
+class CompileError(QicError):
+    """A compiler (e.g. neuronx-cc) refused a graph; the message carries its log's tail."""

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import torch
 
+# torch (major, minor) series the runtime tests have loaded AOTInductor packages with; `qic doctor`
+# reports whether the running torch is one of them.
+TESTED_TORCH = ((2, 13),)
+
 
 def load(path: Path, weights: list[torch.Tensor], device: str):
     loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
