@@ -5,9 +5,23 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= a red bicycle leaning against a blue wall
 
-.PHONY: install run test bench clean
+XLA_VENV := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
+
+.PHONY: install xla-env run test bench clean
 
 install: $(STAMP)
+
+# The neuron back end's lowering environment: torch 2.9 + torch-xla 2.9 (the index's torch 2.9 for x86_64
+# is the CUDA build, about 7 GB), kept apart from .venv. Idempotent like install.
+xla-env: $(XLA_STAMP)
+
+$(XLA_STAMP): pyproject.toml constraints-xla.txt
+	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install --quiet -c constraints-xla.txt torch torch-xla
+	$(XLA_VENV)/bin/python -m pip install --quiet -c constraints-xla.txt -e .
+	touch $(XLA_STAMP)
 
 # Re-installs only when the package metadata or the pins change; `make install` twice does nothing.
 $(STAMP): pyproject.toml constraints-ci.txt
@@ -20,11 +34,11 @@ run: install
 	$(BIN)/qic build
 	$(BIN)/qic run artifacts/tiny --prompt "$(PROMPT)" --output artifacts/tiny.png
 
-test: install
+test: install xla-env
 	$(BIN)/python -m pytest -q
 
 bench: install
 	$(BIN)/python -m qic.bench.all
 
 clean:
-	rm -rf artifacts .qic-cache
+	rm -rf artifacts .qic-cache  # the environments stay: rm -rf .venv .venv-xla

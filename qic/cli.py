@@ -81,6 +81,9 @@ def inspect(bundle):
               help="Resident mode: one prompt per line, or JSONL with per-line options.")
 @click.option("--interactive", is_flag=True, help="Resident mode: read prompts from the terminal.")
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
+@click.option("--device", default=None,
+              help="Where to run (default: the bundle's): cpu | cuda for inductor bundles; "
+                   "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
 @_friendly
 def run(bundle, **options):

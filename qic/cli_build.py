@@ -37,6 +37,8 @@ def run_build(config, overrides) -> None:
     total = len(report.rows)
     out.print(f"{report.hits}/{total} from cache ({100 * report.hits // max(total, 1)}% hits), "
               f"{report.seconds:.1f}s; bundle {'unchanged' if report.up_to_date else 'written'}: {report.output}")
+    for line in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
 
 
 def _size(n: int) -> str:

@@ -23,12 +23,22 @@ def run_inspect(bundle: str) -> None:
               f"back end {manifest['backend']['backend']} on {manifest['device']}, tp {manifest['tp']}")
     out.print(f"dtypes {manifest['dtypes']}; resolutions "
               f"{', '.join('{}x{}'.format(*r) for r in manifest['resolutions'])}; text buckets {manifest['text_buckets']}")
+    neuron = manifest["backend"]["backend"] == "neuron"
+    if neuron:
+        state = ("lower-only: HLO modules checked on XLA:CPU, no NEFFs (neuronx-cc was absent at build)"
+                 if manifest.get("lower_only") else f"NEFFs compiled by neuronx-cc {manifest['neuron']['neuronx_cc']}")
+        out.print(f"neuron: {state}; lnc {manifest['neuron']['lnc']}")
     table = Table(title="graphs")
-    for col in ("graph", "inputs", "size", "sha256"):
+    for col in ("graph", "inputs", "size", "sha256") + (("HLO", "XLA:CPU rel-L2", "NEFF") if neuron else ()):
         table.add_column(col)
     for g in manifest["graphs"]:
         ins = ", ".join(f"{i['name']}{tuple(i['shape'])}" for i in g["inputs"])
-        table.add_row(g["name"], ins, f"{g['bytes'] / 1e6:.2f} MB", manifest["files"][g["file"]]["sha256"][:12])
+        row = [g["name"], ins, f"{g['bytes'] / 1e6:.2f} MB", manifest["files"][g["file"]]["sha256"][:12]]
+        if neuron:
+            rel = g["checks"].get("xla_cpu_rel_l2")
+            row += [f"{g['hlo_bytes'] / 1e6:.2f} MB", f"{rel:.2g}" if rel is not None else "not run (tp > 1)",
+                    "yes" if g["neff"] else "no"]
+        table.add_row(*row)
     out.print(table)
     verify_files(path, manifest)
     out.print(f"verified {len(manifest['files'])} files: all hashes match")

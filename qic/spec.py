@@ -20,7 +20,7 @@ COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "components", "output",
-        "cache_dir", "layers", "full_hash")
+        "cache_dir", "layers", "full_hash", "compiler_args", "lnc")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -43,6 +43,9 @@ class BuildSpec:
     # unrolled (docs/benchmarks.md). Components without blocks (the VAE) ignore it.
     layers: tuple[tuple[str, str], ...] = tuple((c, "looped") for c in COMPONENTS)
     full_hash: bool = False                        # hash checkpoint contents instead of trusting stat/blob ids
+    # neuron back end: extra neuronx-cc flags per component, and the logical NeuronCore size (trn2: 1 or 2)
+    compiler_args: tuple[tuple[str, str], ...] = ()
+    lnc: int = 1
 
     def dtype_of(self, component: str) -> str:
         return dict(self.dtype)[component]
@@ -103,7 +106,21 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         cache_dir=str(raw.get("cache_dir", d.cache_dir)),
         layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", source),
         full_hash=bool(raw.get("full_hash", False)),
+        compiler_args=_compiler_args(raw.get("compiler_args", {}), source),
+        lnc=_choice(raw.get("lnc", 1), (1, 2), "lnc", source),
     )
+
+
+def _compiler_args(value, source: str) -> tuple[tuple[str, str], ...]:
+    """compiler_args: {component: "flags"} (neuron back end only)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: compiler_args must map components to flag strings, e.g. "
+                          "{denoiser: '--optlevel 2'}")
+    for comp, flags in value.items():
+        _choice(comp, COMPONENTS, "compiler_args component", source)
+        if not isinstance(flags, str):
+            raise ConfigError(f"{source}: compiler_args.{comp} must be a string of flags, got {flags!r}")
+    return tuple(sorted(value.items()))
 
 
 def parse_resolution(value, source: str = "config") -> tuple[int, int]:

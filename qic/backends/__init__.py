@@ -15,12 +15,12 @@ from qic.errors import ConfigError
 _BUILDERS = {"inductor": "qic.backends.inductor:InductorBackend", "neuron": "qic.backends.neuron:NeuronBackend"}
 
 
-def get_backend(name: str, device: str) -> Backend:
+def get_backend(name: str, device: str, **options) -> Backend:
     try:
         module, cls = _BUILDERS[name].split(":")
     except KeyError:
         raise ConfigError(f"unknown back end {name!r}; known: {', '.join(_BUILDERS)}") from None
-    return getattr(importlib.import_module(module), cls)(device)
+    return getattr(importlib.import_module(module), cls)(device, **options)
 
 
 __all__ = ["Backend", "CompiledGraph", "get_backend"]

@@ -7,6 +7,7 @@ Only the few fields qic needs, by their numbers in XLA's `xla/service/hlo.proto`
     HloInstructionProto  name 1, opcode 2, parameter_number 9, id 35, replica_groups 49,
                          frontend_attributes 68
     ReplicaGroup         replica_ids 1 (xla_data.proto)
+    ShapeProto           element_type 2, dimensions 3, tuple_shapes 4 (xla_data.proto)
     FrontendAttributes   map<string, string> map 1 (entries: key 1, value 2)
 
 Uses: name the entry parameters and outputs the way the Neuron toolchain expects (frontend attributes
@@ -256,3 +257,54 @@ def entry_attributes(proto: bytes) -> dict[str, dict[str, str]]:
         if attrs:
             out[_get(instr, 1, b"").decode()] = attrs
     return out
+
+
+# xla_data.proto PrimitiveType numbers -> names (the ones qic's graphs use).
+ELEMENT_TYPES = {1: "pred", 2: "s8", 3: "s16", 4: "s32", 5: "s64", 6: "u8", 7: "u16", 8: "u32", 9: "u64",
+                 10: "f16", 11: "f32", 12: "f64", 16: "bf16"}
+
+
+def _ints(items, number) -> list[int]:
+    out = []
+    for n, w, v in items:
+        if n == number and w == LEN:   # packed
+            pos = 0
+            while pos < len(v):
+                val, pos = _varint(v, pos)
+                out.append(val)
+        elif n == number:
+            out.append(v)
+    return out
+
+
+def _shape(raw: bytes) -> list[tuple[str, list[int]]]:
+    """A ShapeProto as [(element type, dims)], tuples flattened one level."""
+    items = list(fields(raw))
+    parts = [v for n, _, v in items if n == 4]
+    if parts:
+        return [s for p in parts for s in _shape(p)]
+    return [(ELEMENT_TYPES.get(_get(items, 2) or 0, "other"), _ints(items, 3))]
+
+
+def entry_signature(proto: bytes) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+    """(parameters in parameter-number order, outputs) of the entry computation, as (type, dims)."""
+    module = list(fields(proto))
+    entry_id = _entry(module)
+    for number, _, value in module:
+        if number != 3:
+            continue
+        comp = list(fields(value))
+        if (_get(comp, 5) or 0) != entry_id:
+            continue
+        root = _get(comp, 6) or 0
+        params, outputs = {}, []
+        for n, _, v in comp:
+            if n != 2:
+                continue
+            instr = list(fields(v))
+            if _get(instr, 2, b"") == b"parameter":
+                params[_get(instr, 9) or 0] = _shape(_get(instr, 3, b""))[0]
+            if (_get(instr, 35) or 0) == root:
+                outputs = _shape(_get(instr, 3, b""))
+        return [params[i] for i in sorted(params)], outputs
+    raise ValueError("HLO module has no entry computation")

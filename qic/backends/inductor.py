@@ -19,6 +19,8 @@ class InductorBackend(Backend):
     name = "inductor"
 
     def __init__(self, device: str):
+        from qic.backends.inductor_loader import check_torch
+        check_torch()
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"the inductor back end targets cpu or cuda, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():

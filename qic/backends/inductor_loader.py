@@ -1,8 +1,9 @@
 """Load an AOTInductor package whose weights are trailing inputs, and bind memory-mapped tensors.
 
 Uses torch's C++ package loader directly: the Python route (torch._inductor.aoti_load_package)
-imports the whole compiler (about 2 s) before loading. This binding is internal torch API, which is
-why pyproject bounds torch to a tested range; the runtime tests exercise it.
+imports the whole compiler (about 2 s) before loading. This binding is internal torch API: the package
+as a whole accepts the torch range its model and build code are tested on (2.9 for the neuron back end's
+torch-xla, 2.13), but the inductor back end refuses any torch series not in TESTED_TORCH.
 """
 
 from __future__ import annotations
@@ -16,7 +17,18 @@ import torch
 TESTED_TORCH = ((2, 13),)
 
 
+def check_torch() -> None:
+    from qic.errors import ConfigError
+    series = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if series not in TESTED_TORCH:
+        tested = ", ".join(".".join(map(str, s)) for s in TESTED_TORCH)
+        raise ConfigError(f"the inductor back end binds AOTInductor packages through torch internals tested on "
+                          f"torch {tested}; this is torch {torch.__version__}",
+                          f"use torch {tested} for inductor bundles (`make install` sets up .venv)")
+
+
 def load(path: Path, weights: list[torch.Tensor], device: str):
+    check_torch()
     loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     bound = [w if w.device.type == device else w.to(device) for w in weights]
 

@@ -1,30 +1,139 @@
-"""AWS Neuron back end (torch-neuronx / neuronx-distributed, NEFFs on Trainium).
+"""AWS Neuron back end: each graph lowered to an XLA HloModuleProto (torch-xla), checked on XLA:CPU, then
+compiled to a NEFF by `neuronx-cc` where the compiler is installed.
 
-Not implemented in this version of qic: the SDK cannot be installed on the machines qic is developed
-on. Selecting it fails with this message rather than pretending; the interface in qic.backends.base
-is what the implementation will fill in (see the tensor-parallel and depth-independent issues).
+Split in two because the halves need different machines (docs/neuron.md says what has run where):
+- lowering and checking run wherever torch-xla does (the repo's `.venv-xla` here): every graph becomes
+  `model.hlo_module.pb` with weights as parameters (none of their values inside), executed on XLA:CPU
+  against eager PyTorch; the relative L2 error is recorded in the graph's metadata;
+- compiling needs `neuronx-cc` (a Trainium host's SDK). Without it the build still lowers and checks
+  everything and writes a bundle marked lower-only; the same build on a Trainium host compiles the
+  NEFFs, recompiling nothing already in the cache (the lowered graphs are cached by their HLO, the NEFFs
+  by HLO digest, compiler version and flags: qic.backends.neuron_cc).
+
+Graph files, in the graph's cache directory and bundle folder:
+    model.hlo_module.pb     the HLO module (entry parameters = used graph inputs, then weights, in order)
+    params.json             which graph input or weight feeds each HLO parameter
+    model.neff              the compiled graph (absent in a lower-only bundle)
 """
 
 from __future__ import annotations
 
-from qic.backends.base import Backend
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from qic.backends.base import Backend, CompiledGraph
 from qic.errors import ConfigError
+
+HLO_FILE = "model.hlo_module.pb"
+PARAMS_FILE = "params.json"
+TARGET = "trn2"
+# fp32 on both sides; XLA:CPU may reassociate reductions and fuse differently from eager, so errors of a
+# few ulps per reduction accumulate through the layers: 1e-5 is ~100 fp32 ulps of relative error, far
+# above that and far below what a wrong weight, mask or step constant gives (1e-2 and up, tests).
+XLA_CPU_REL_L2 = 1e-5
+
+
+def xla_available() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
 
 
 class NeuronBackend(Backend):
     name = "neuron"
+    traces_modules = True   # lowers the eager module itself (torch.export's scan op has no XLA lowering)
 
-    def __init__(self, device: str):
-        try:
-            import torch_neuronx  # noqa: F401
-        except ImportError:
-            raise ConfigError("the neuron back end needs the AWS Neuron SDK (torch-neuronx), which is not installed",
-                              "build on a Trainium host with the Neuron SDK, or use --backend inductor") from None
-        raise ConfigError("the neuron back end is not implemented in this qic version",
-                          "use --backend inductor")
+    def __init__(self, device: str, compiler_args: dict | None = None, lnc: int = 1):
+        if device != "neuron":
+            raise ConfigError(f"the neuron back end targets device 'neuron', not {device!r}")
+        if not xla_available():
+            raise ConfigError("the neuron back end lowers graphs with torch-xla, which this Python environment "
+                              "does not have",
+                              "run `make xla-env` and build with .venv-xla/bin/qic, or pip install torch-xla==2.9.0")
+        super().__init__(device)
+        from qic.backends import neuron_cc
+        self.compiler_args = dict(compiler_args or {})
+        self.lnc = lnc
+        self.compiler, self.compiler_missing = neuron_cc.find()
+        self.compiler_version = neuron_cc.version(self.compiler) if self.compiler else None
+        for component, args in self.compiler_args.items():   # refuse bad flags before any work
+            neuron_cc.component_flags(component, args, lnc=lnc, target=TARGET)
 
-    def identity(self) -> dict:  # pragma: no cover - unreachable until implemented
-        raise NotImplementedError
+    def identity(self) -> dict:
+        """What the lowered HLO depends on. The compiler's version and flags key the NEFFs instead
+        (neuron_cc.cache_key), so a build without the compiler and one with it share the lowering."""
+        from importlib.metadata import version
+        return {"backend": self.name, "torch": torch.__version__, "torch_xla": version("torch-xla"),
+                "device": self.device, "target": TARGET}
 
-    def compile(self, module, example_inputs, out_dir, dynamic_shapes=None):  # pragma: no cover
-        raise NotImplementedError
+    def compiler_identity(self) -> dict:
+        return {"neuronx_cc": self.compiler_version, "lnc": self.lnc, "compiler_args": self.compiler_args}
+
+    def flags(self, component: str) -> list[str]:
+        from qic.backends import neuron_cc
+        return neuron_cc.component_flags(component, self.compiler_args.get(component), lnc=self.lnc, target=TARGET)
+
+    def compile(self, program, out_dir: Path) -> CompiledGraph:
+        raise TypeError("the neuron back end lowers modules (lower()), not exported programs")
+
+    # ---------------------------------------------------------------------------- lowering
+
+    def lower(self, module: torch.nn.Module, inputs: list, tensors: dict, tp: int):
+        from qic.backends import xla_lower
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return xla_lower.lower(module, inputs, tensors, tp=tp)
+
+    def write(self, lowered, weight_inputs: list[str], input_names: list[str], out_dir: Path) -> CompiledGraph:
+        """Write the lowered graph's files; params.json maps HLO parameters to the runtime's lists."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / HLO_FILE).write_bytes(lowered.proto)
+        index = {("input", n): i for i, n in enumerate(input_names)}
+        index.update({("weight", n): i for i, n in enumerate(weight_inputs)})
+        params = [["input" if p["kind"] == "input" else "weight", index[("input" if p["kind"] == "input"
+                                                                         else "weight", p["name"])]]
+                  for p in lowered.param_order]
+        (out_dir / PARAMS_FILE).write_text(json.dumps({"params": params, "outputs": lowered.outputs}) + "\n")
+        return CompiledGraph(file=HLO_FILE, meta={"extra_files": [PARAMS_FILE]})
+
+    def check(self, lowered, module: torch.nn.Module, inputs: list, tensors: dict) -> float:
+        """Relative L2 error of the HLO executed on XLA:CPU against the eager module, on inputs drawn so
+        every input matters (random activations, random token ids, a partly padded mask)."""
+        from qic.backends import xla_lower
+        sample = check_inputs(inputs, tensors)
+        feed = dict(sample)
+        params = [feed[p["name"]] if p["kind"] == "input" else
+                  (lowered.constants[p["name"]] if p["kind"] == "constant" else tensors[p["name"]])
+                  for p in lowered.param_order]
+        got = xla_lower.execute(lowered.proto, [p.detach().contiguous() for p in params])
+        with torch.no_grad():
+            want = torch.func.functional_call(module, tensors, tuple(t for _, t in sample))
+        want = list(want) if isinstance(want, (tuple, list)) else [want]
+        worst = 0.0
+        for g, w in zip(got, want):
+            w = w.detach().float()
+            worst = max(worst, ((g.float() - w).norm() / w.norm().clamp_min(1e-30)).item())
+        return worst
+
+
+def check_inputs(inputs: list, tensors: dict) -> list:
+    """Inputs for the XLA:CPU check, seeded: the example inputs are zeros and ones, which would hide a
+    wrong mask or a swapped input."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = next((t.shape[0] for n, t in tensors.items() if n.endswith("embed_tokens.weight")), None)
+    out = []
+    for name, t in inputs:
+        if name == "input_ids":
+            v = torch.randint(0, vocab or 2, t.shape, generator=gen)
+        elif name in ("attention_mask", "text_mask"):
+            v = torch.ones_like(t)
+            v[..., -max(1, t.shape[-1] // 4):] = 0   # a padded tail: masking must matter
+            v[..., 0] = 1
+        elif t.dim() == 0:
+            v = t.clone()                              # timestep, sigmas, guidance: the example values
+        else:
+            v = torch.randn(t.shape, generator=gen).to(t.dtype)
+        out.append((name, v))
+    return out

@@ -111,6 +111,52 @@ def execute(proto: bytes, params: list[torch.Tensor], name: str = "qic_graph") -
     return [o.cpu() for o in outs]
 
 
+def execute_ranks(proto: bytes, per_rank: list[list[torch.Tensor]], name: str = "qic_graph") -> list[list[torch.Tensor]]:
+    """Run one HLO module on len(per_rank) XLA:CPU devices at once, rank r with per_rank[r] as its
+    parameters, so its all-reduces really reduce across the ranks. Needs CPU_NUM_DEVICES >= ranks set
+    before torch-xla starts (a fresh process).
+
+    One thread per device. Each device's run must come from one compiled executable: compiled twice,
+    the CPU runtime gives the copies different collective ids and their all-reduces never meet (seen
+    with torch-xla 2.9). So rank 0 starts alone, and the others start once the compilation cache holds
+    its executable; they then find it there and join rank 0's collectives.
+    """
+    import threading
+    import time
+
+    import torch_xla.core.xla_model as xm
+    ranks = len(per_rank)
+    devices = [torch_xla.device(r) for r in range(ranks)]
+    if len({str(d) for d in devices}) != ranks:
+        raise RuntimeError(f"{ranks} ranks need CPU_NUM_DEVICES >= {ranks} set before torch-xla starts")
+    computation = xb.computation_from_module_proto(name, proto)
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def rank_fn(r: int) -> None:
+        try:
+            torch_xla._XLAC._xla_set_default_device(str(devices[r]))
+            xm.set_replication(devices[r], [str(d) for d in devices])
+            args = [p.to(devices[r]) for p in per_rank[r]]
+            outs = torch_xla._XLAC._xla_user_computation(f"qic::{name}", args, computation)
+            results[r] = [o.cpu() for o in outs]
+        except BaseException as e:  # surfaced below, after every thread ended
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in range(ranks)]
+    compiled = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
+    threads[0].start()
+    while torch_xla._XLAC._xla_get_num_cached_compilation_graph() == compiled and threads[0].is_alive():
+        time.sleep(0.02)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[r] for r in range(ranks)]
+
+
 # --------------------------------------------------------------------------------------------- loops
 
 def while_loop(layer, carry: list[torch.Tensor], xs: list[torch.Tensor], invariants) -> list[torch.Tensor]:

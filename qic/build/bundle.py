@@ -59,7 +59,17 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
             for f in meta["files"]:
                 _copy(art.directory / f, tmp / gdir / f)
                 files.append(f"{gdir}/{f}")
-            graphs.append({
+            neff = meta.get("neff")
+            if neff:
+                _copy(Path(neff["path"]), tmp / gdir / "model.neff")
+                files.append(f"{gdir}/model.neff")
+            extra = {}
+            if backend.name == "neuron":
+                extra = {"hlo": f"{gdir}/{meta['file']}", "params": f"{gdir}/params.json",
+                         "neff": f"{gdir}/model.neff" if neff else None, "checks": meta.get("checks", {}),
+                         "hlo_bytes": meta["hlo"]["bytes"],
+                         "compiler": {"flags": neff["flags"], "neuronx_cc": neff["compiler"]} if neff else None}
+            graphs.append({**extra,
                 "name": meta["graph"], "component": meta["component"], "key": art.graph_key,
                 "file": f"{gdir}/{meta['file']}",
                 "constants_file": f"{gdir}/{meta['constants_file']}" if meta["constants_file"] else None,
@@ -86,6 +96,8 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
             "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
                         "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
             "graphs": graphs,
+            "lower_only": backend.name == "neuron" and any(not g["neff"] for g in graphs),
+            "neuron": backend.compiler_identity() if backend.name == "neuron" else None,
             "files": {f: file_entry(tmp, f) for f in sorted(files)},
         })
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -79,6 +79,10 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
             return GraphArtifact(art[0], art[1], art[2], True, time.perf_counter() - t0)
     if callable(gdef):
         gdef = gdef()
+    if getattr(backend, "traces_modules", False):
+        art = lower_graph(gdef, backend, weight_names, cache_dir, t0)
+        write_bytes_atomic(memo, art.graph_key.encode())
+        return art
     module = gdef.module.eval()
     args = tuple(t for _, t in gdef.inputs)
     tensors = dict(module.named_parameters())
@@ -122,6 +126,82 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
     return GraphArtifact(gkey, art[1], art[2], cached, time.perf_counter() - t0)
 
 
+def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_dir: Path, t0: float) -> GraphArtifact:
+    """The neuron path: lower the eager module to HLO (no torch.export), check it on XLA:CPU, cache it.
+
+    The graph key is the HLO's own digest (plus shapes, owned constants and the back end's identity):
+    the HLO is what the compiler sees, and lowering takes well under a second per graph.
+    """
+    from qic.backends.neuron import XLA_CPU_REL_L2
+    from qic.errors import CompileError, ConfigError
+    from qic.parallel.tp import tp_size_of
+    if gdef.dynamic:
+        raise ConfigError(f"graph {gdef.name}: the neuron back end needs fixed text buckets (a NEFF has static "
+                          "shapes; exact-length graphs have a dynamic text dimension)",
+                          "use text buckets such as 128,256 instead of 0")
+    module = gdef.module.eval()
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    tp = tp_size_of(module)
+    lowered = backend.lower(module, gdef.inputs, tensors, tp)
+    owned = {n: tensors[n].detach().cpu().contiguous().clone() for n in tensors
+             if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)}
+    owned.update(lowered.constants)   # scalars torch-xla made parameters: they travel with the graph
+    names = list(tensors) + list(lowered.constants)
+    h = hashlib.sha256(b"qic-hlo-v1")
+    h.update(hashlib.sha256(lowered.proto).digest())
+    gkey = graph_key_from(h, gdef, owned, backend.identity())
+    with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
+        art = _lookup(cache_dir, gkey)
+        cached = art is not None
+        if not cached:
+            final = cache_dir / "graphs" / gkey
+            with staging_dir(final) as tmp:
+                compiled = backend.write(lowered, names, [n for n, _ in gdef.inputs], tmp)
+                checks = {"xla_cpu_rel_l2": None, "tp": tp}
+                if tp == 1:
+                    rel = backend.check(lowered, module, gdef.inputs, tensors)
+                    if not rel <= XLA_CPU_REL_L2:
+                        raise CompileError(f"graph {gdef.name}: lowered HLO on XLA:CPU differs from eager PyTorch "
+                                           f"(rel-L2 {rel:.3g} > {XLA_CPU_REL_L2})", "report this as a qic bug")
+                    checks["xla_cpu_rel_l2"] = float(f"{rel:.3g}")
+                else:
+                    # A TP graph's all-reduces need tp XLA:CPU devices executing in lockstep; the tests run
+                    # that (tests/test_neuron_xla.py), the build records the single-device figure only.
+                    checks["xla_cpu_check"] = f"not run at build time for tp={tp} (see tests/test_neuron_xla.py)"
+                if owned:
+                    save_file(owned, str(tmp / "constants.safetensors"))
+                files = [compiled.file, *compiled.meta.get("extra_files", [])]
+                files += ["constants.safetensors"] if owned else []
+                meta = {
+                    "graph": gdef.name, "component": gdef.component, "file": compiled.file,
+                    "constants_file": "constants.safetensors" if owned else None,
+                    "weight_inputs": names, "owned_constants": sorted(owned),
+                    "weight_prefix": gdef.weight_prefix,
+                    "inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                               for n, t in gdef.inputs],
+                    "outputs": gdef.outputs, "dynamic_text": False, "checks": checks,
+                    "hlo": {"bytes": len(lowered.proto), "parameters": len(lowered.param_order)},
+                    "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
+                    "compile_seconds": round(time.perf_counter() - t0, 2), "backend": backend.identity(),
+                }
+                write_json_atomic(tmp / "meta.json", meta)
+            art = _lookup(cache_dir, gkey)
+    return GraphArtifact(gkey, art[1], art[2], cached, time.perf_counter() - t0)
+
+
+def graph_key_from(h, gdef: GraphDef, owned: dict, identity: dict) -> str:
+    """Finish a graph key: input shapes, outputs, back end, and graph-owned constants' bytes."""
+    h.update(json.dumps([[n, list(t.shape), str(t.dtype)] for n, t in gdef.inputs]).encode())
+    h.update(json.dumps({"dynamic": bool(gdef.dynamic), "outputs": gdef.outputs, "backend": identity},
+                        sort_keys=True).encode())
+    for name in sorted(owned):
+        t = owned[name]
+        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
 class WeightsAsInputs(torch.nn.Module):
     """forward(args, weights): the module run with `weights` (in `names` order) as its tensors."""
 
@@ -137,14 +217,7 @@ def graph_key(program, gdef: GraphDef, owned: dict, identity: dict) -> str:
     h = hashlib.sha256(b"qic-graph-v2")
     h.update(graph_text(program).encode())
     h.update(str(program.graph_signature).encode())
-    h.update(json.dumps([[n, list(t.shape), str(t.dtype)] for n, t in gdef.inputs]).encode())
-    h.update(json.dumps({"dynamic": bool(gdef.dynamic), "outputs": gdef.outputs, "backend": identity},
-                        sort_keys=True).encode())
-    for name in sorted(owned):
-        t = owned[name]
-        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:32]
+    return graph_key_from(h, gdef, owned, identity)
 
 
 def graph_text(program) -> str:

@@ -47,6 +47,7 @@ class BuildReport:
     rows: list[Row] = field(default_factory=list)
     up_to_date: bool = False
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)   # one line each, printed after the table
 
     @property
     def hits(self) -> int:
@@ -93,7 +94,8 @@ def tp_of(component: str, tp: int) -> int:
 
 def build(spec: BuildSpec, progress=None) -> BuildReport:
     t0 = time.perf_counter()
-    backend = get_backend(spec.backend, spec.device)
+    options = {"compiler_args": dict(spec.compiler_args), "lnc": spec.lnc} if spec.backend == "neuron" else {}
+    backend = get_backend(spec.backend, spec.device, **options)
     ctx = Context(spec, progress)
     validate(spec, ctx)
     report = BuildReport(ctx.output)
@@ -131,6 +133,9 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         report.rows.append(Row("compile", art.meta["graph"], art.cached,
                                sum(f["bytes"] for f in art.meta["files"].values()), art.seconds))
 
+    if spec.backend == "neuron":
+        artifacts = neff_stage(backend, artifacts, ctx.cache, report, progress)
+
     # Stage 3: the bundle.
     build_key = _build_key(spec, digest, shards, artifacts)
     t = time.perf_counter()
@@ -139,6 +144,39 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
     report.rows.append(Row("bundle", str(ctx.output), not written, _tree_bytes(ctx.output), time.perf_counter() - t))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def neff_stage(backend, artifacts, cache: Path, report: BuildReport, progress) -> list:
+    """NEFFs for the lowered graphs, compiled in parallel processes where neuronx-cc is installed; without
+    it, one warning line and the artifacts unchanged (the bundle is then marked lower-only)."""
+    import dataclasses
+
+    from qic.backends import neuron_cc
+    from qic.backends.neuron import HLO_FILE
+    if backend.compiler is None:
+        report.warnings.append(f"no NEFFs: {backend.compiler_missing}; the bundle is lower-only (every graph "
+                               "lowered and checked on XLA:CPU); the same build on a Trainium host compiles it")
+        return artifacts
+    jobs = []
+    for art in artifacts:
+        flags = tuple(backend.flags(art.meta["component"]))
+        out = cache / "neffs" / f"{art.graph_key}-{neuron_cc.cache_key('', '', flags)[:12]}"
+        jobs.append(neuron_cc.CompileJob(art.directory / HLO_FILE, out, flags))
+    t = time.perf_counter()
+    before = [neuron_cc.cached(j.out_dir, neuron_cc.cache_key(art.meta["files"][HLO_FILE]["sha256"],
+                                                             backend.compiler_version, j.args))
+              for j, art in zip(jobs, artifacts)]
+    if progress:
+        progress("neff", f"{len(jobs) - sum(before)} graphs", None)
+    neffs = neuron_cc.compile_many(jobs, compiler=backend.compiler)
+    out = []
+    for art, neff, hit in zip(artifacts, neffs, before):
+        meta = {**art.meta, "neff": {"path": str(neff), "sha256": stage2.sha256_file(neff),
+                                     "bytes": neff.stat().st_size, "flags": list(backend.flags(art.meta["component"])),
+                                     "compiler": backend.compiler_version}}
+        out.append(dataclasses.replace(art, meta=meta))
+        report.rows.append(Row("neff", art.meta["graph"], hit, neff.stat().st_size, time.perf_counter() - t))
+    return out
 
 
 def plan_graphs(spec: BuildSpec, ctx: Context):
@@ -206,7 +244,8 @@ def _header_names(path: Path) -> list[str]:
 def _build_key(spec, digest, shards, artifacts) -> str:
     body = {"spec": {k: v for k, v in spec.to_json().items() if k not in ("output", "cache_dir")},
             "checkpoint": digest, "shards": {k: v.key for k, v in shards.items()},
-            "graphs": [a.graph_key for a in artifacts], "qic": __version__, "torch": torch.__version__}
+            "graphs": [a.graph_key for a in artifacts], "qic": __version__, "torch": torch.__version__,
+            "neffs": [a.meta.get("neff", {}).get("sha256") for a in artifacts]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 

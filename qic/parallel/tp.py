@@ -64,6 +64,11 @@ def _tp_sizes(module: torch.nn.Module) -> set[int]:
     return {m.tp_size for m in module.modules() if isinstance(getattr(m, "tp_size", None), int)}
 
 
+def tp_size_of(module: torch.nn.Module) -> int:
+    """The TP degree a module was built for (1 when it has no tensor-parallel layers)."""
+    return max(_tp_sizes(module), default=1)
+
+
 def apply_tp(module: torch.nn.Module, group=None) -> int:
     """Make `module` (built with tp_size = the group's size) one rank's part of the computation.
 

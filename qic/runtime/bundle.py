@@ -65,7 +65,11 @@ class Bundle:
             if missing:
                 raise BundleError(f"{self.path}: graph {g['name']} needs tensors its weights lack: {missing[:3]}")
             weights = [constants[n] for n in g["weight_inputs"]]
-            run = load_graph(m["backend"]["backend"], self.path / g["file"], weights, self.device)
+            placement = {}
+            if m["backend"]["backend"] == "neuron":
+                placement = {"rank": rank, "world": world, "lnc": (m.get("neuron") or {}).get("lnc", 1),
+                             "outputs": None}
+            run = load_graph(m["backend"]["backend"], self.path / g["file"], weights, self.device, **placement)
             key = _key(g["component"], g["name"])
             self.graphs[key] = Graph(g["name"], run, g["inputs"])
         self.load_seconds = time.perf_counter() - t0

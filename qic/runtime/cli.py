@@ -54,7 +54,7 @@ def serve(bundle_path_or_rank, *args) -> None:
         bundle_path, options, rank, world = bundle_path_or_rank, *args
     base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
     t0 = time.perf_counter()
-    bundle = Bundle(bundle_path, rank=rank, world=world)
+    bundle = Bundle(bundle_path, device=options.get("device"), rank=rank, world=world)
     load = time.perf_counter() - t0
     verbose = options.get("verbose")
     lead = rank == 0
