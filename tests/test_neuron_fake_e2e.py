@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from tests.conftest import TINY_RES
@@ -145,4 +146,4 @@ def test_fake_libnrt_loads_each_ranks_weights(tp, tmp_path, tiny_ckpt, fake_libn
         for i, (kind, j) in enumerate(params):
             if kind == "weight":
                 t = tensors[g["weight_inputs"][j]].contiguous()
-                assert writes[f"input{i}"] == fnv1a64(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()), (r, i)
+                assert writes[f"input{i}"] == fnv1a64(t.view(-1).view(torch.uint8).numpy().tobytes()), (r, i)

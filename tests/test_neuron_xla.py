@@ -30,7 +30,8 @@ def xla(*args, env=None, check=True, timeout=900) -> subprocess.CompletedProcess
     proc = subprocess.run([str(XLA_PYTHON), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        command = " ".join(map(str, args))
+        raise AssertionError(f"{command} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
     return proc
 
 

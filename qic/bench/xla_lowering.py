@@ -232,7 +232,8 @@ def depth() -> dict:
 def real(height: int, width: int, bucket: int = 256) -> dict:
     """The real Qwen-Image configs at one resolution: every graph lowered from shapes (meta tensors; a
     graph does not depend on weight values), HLO sizes against the 2 GB protobuf limit."""
-    raw = {f: json.loads((REAL_CONFIGS / f / "config.json").read_text()) for f in ("text_encoder", "transformer", "vae")}
+    raw = {f: json.loads((REAL_CONFIGS / f / "config.json").read_text())
+           for f in ("text_encoder", "transformer", "vae")}
     cfgs = {name: c.parse_config(raw[c.folder]) for name, c in COMPONENTS.items()}
     out = {}
     for component in ("text_encoder", "denoiser", "vae_decoder"):
@@ -263,7 +264,8 @@ def sensitivity() -> dict:
     unpadded = {**feed, "text_mask": torch.ones_like(feed["text_mask"])}
     with torch.no_grad():
         want = torch.func.functional_call(g.module, tensors, tuple(t for _, t in inputs))
-    got_mask = xl.execute(low.proto, [p.detach().contiguous() for p in _params(low, list(unpadded.items()), tensors)])[0]
+    unpadded_params = _params(low, list(unpadded.items()), tensors)
+    got_mask = xl.execute(low.proto, [p.detach().contiguous() for p in unpadded_params])[0]
     name = next(n for n in tensors if "stacked" in n and n.endswith("img_mlp.net.2.weight"))
     broken = dict(tensors)
     broken[name] = tensors[name].clone()
