@@ -104,7 +104,10 @@ os.environ["QIC_FAKE_LIBNRT_LOG"] = log
 b = Bundle(bundle, device="neuron", rank=rank, world=world)
 g = next(g for k, g in b.graphs.items() if k[0] == "denoiser")
 x = [torch.full(i["shape"], 0.25).to(getattr(torch, i["dtype"])) for i in g.inputs]
-print(json.dumps({"out": g(*x)[0].flatten()[:3].tolist()}))
+out = g(*x)[0].flatten()[:3].tolist()
+forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch_xla", "torch_neuronx", "diffusers")
+                   or m.startswith(("qic.models", "qic.build", "torch._inductor")))
+print(json.dumps({"out": out, "forbidden": forbidden}))
 """
 
 
@@ -125,6 +128,7 @@ def test_fake_libnrt_loads_each_ranks_weights(tp, tmp_path, tiny_ckpt, fake_libn
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr
+        assert json.loads(stdout.strip().splitlines()[-1])["forbidden"] == []   # the runtime loads, never compiles
     for r in range(tp):
         calls = [json.loads(x) for x in (tmp_path / f"nrt{r}.jsonl").read_text().splitlines()]
         init = calls[0]

@@ -92,7 +92,12 @@ def lower(module: torch.nn.Module, inputs: list[tuple[str, torch.Tensor]], weigh
     for new, i in enumerate(old):
         new_number[i] = new
     proto = hlo_proto.name_entry_tensors(hlo_proto.reorder_parameters(ctx.hlo(), new_number))
-    return Lowered(proto, [order[i] for i in old], constants, len(outs))
+    params = [order[i] for i in old]
+    signature, _ = hlo_proto.entry_signature(proto)
+    wide = [f"{p['kind']} {p['name']}" for p, (t, _) in zip(params, signature) if t == "f64"]
+    if wide:   # NeuronCores have no fp64 arithmetic: the model code must not make fp64 values
+        raise RuntimeError(f"lowered graph has fp64 parameters: {', '.join(wide[:3])}")
+    return Lowered(proto, params, constants, len(outs))
 
 
 def _record(order: dict, pid: int, entry: dict) -> None:

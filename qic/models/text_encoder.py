@@ -281,7 +281,11 @@ class QwenTextEncoder(nn.Module):
         bf16 cannot degrade the frequencies. Cast to the activation dtype last, as transformers does.
         """
         d = self.config.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        # theta as an fp32 tensor, not a Python float: eager arithmetic is the same (a float scalar is
+        # rounded to fp32 for an fp32 exponent), but traced for XLA a Python float becomes an f64
+        # parameter, a dtype Trainium does not compute in.
+        theta = torch.tensor(self.config.rope_theta, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
         angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -301,7 +305,9 @@ class QwenTextEncoder(nn.Module):
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         allowed = causal[None, None] & (attention_mask != 0)[:, None, None, :]
         mask_bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
-        mask_bias = mask_bias.masked_fill(~allowed, torch.finfo(x.dtype).min)
+        # The fill value as a tensor of x's dtype: a Python float traces to an fp64 XLA parameter.
+        lowest = torch.full((), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
+        mask_bias = mask_bias.masked_fill(~allowed, lowest)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask_bias)
         return self.model.norm(x)
