@@ -103,8 +103,8 @@ def run(bundle, **options):
 @_friendly
 def serve(bundle, host, port, tp, queue, timeout, max_n, max_batch):
     """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
-    from qic.serve.app import Settings
     from qic.serve.cli import run_serve
+    from qic.serve.settings import Settings
     run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch))
 
 

@@ -196,3 +196,171 @@ def test_fake_runner_queue_full_is_429_with_retry_after_and_timeout_is_504():
         runner.gate.set()
         assert request(srv.port, "GET", "/health")[0] == 200
     assert runner.batches == [[1]]   # the queued seed-2 job was dropped at its timeout
+
+
+# ------------------------------------------------------------------------ the real bundle, served
+
+class ServeProcess:
+    """`qic serve BUNDLE --port 0 ...` in a child process; stderr (the access log) goes to a file."""
+
+    def __init__(self, bundle, log_path, *args):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([*QIC, "serve", str(bundle), "--port", "0", *map(str, args)], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, (line, log_path.read_text())
+        self.port = int(line.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if request(self.port, "GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+
+    def rss_mib(self) -> float:
+        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(bundle, tmp_path_factory):
+    srv = ServeProcess(bundle, tmp_path_factory.mktemp("serve") / "serve.log", "--queue", 4, "--max-n", 2)
+    yield srv
+    srv.close()
+    assert srv.proc.returncode == 0, srv.log_path.read_text()
+
+
+def gen(port: int, **body):
+    return request(port, "POST", "/v1/images/generations", {"prompt": "a red bicycle", "steps": STEPS, **body})
+
+
+def test_openai_client_gets_the_png_qic_run_writes(server, bundle, tmp_path):
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    settings = {"negative_prompt": "blurry", "steps": STEPS, "guidance": 3.5}
+    resp = client.images.generate(model=model.id, prompt="a red bicycle", n=2, size=SIZE, response_format="b64_json",
+                                  extra_body={"seed": 11, **settings})
+    served = [base64.b64decode(d.b64_json) for d in resp.data]
+    lines = "".join(json.dumps({"prompt": "a red bicycle", "seed": s, **settings}) + "\n" for s in (11, 12))
+    (tmp_path / "p.jsonl").write_text(lines)
+    qic("run", bundle, "--prompts-file", tmp_path / "p.jsonl", "--output", tmp_path / "img.png")
+    written = [(tmp_path / f"img-{i:03d}.png").read_bytes() for i in range(2)]
+    assert served[0] == written[0] and served[1] == written[1]
+    assert served[0] != served[1]   # n=2 draws seeds 11 and 12: the comparison can tell images apart
+    meta = Image.open(io.BytesIO(served[1])).text
+    assert meta["seed"] == "12" and meta["negative_prompt"] == "blurry" and meta["resolution"] == "{}x{}".format(*TINY_RES)
+
+
+def test_burst_of_50_gets_images_or_429_and_memory_settles(server):
+    assert gen(server.port, seed=999)[0] == 200   # warm: the first run's allocations are part of "loaded"
+    post_load = server.rss_mib()
+    seeds = list(range(1000, 1050))
+    t = time.perf_counter()
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        results = list(pool.map(lambda s: gen(server.port, seed=s), seeds))
+    burst_s = time.perf_counter() - t
+    served = []
+    for seed, (status, headers, body) in zip(seeds, results):
+        assert status in (200, 429), (status, body)
+        if status == 429:
+            assert int(headers["retry-after"]) >= 1 and body["error"]["type"] == "rate_limit_error"
+        else:
+            assert len(body["data"]) == 1
+            served.append(int(Image.open(io.BytesIO(png_of(body))).text["seed"]))
+    ok = [s for s, (status, _, _) in zip(seeds, results) if status == 200]
+    assert served == ok   # every image is the one its request asked for: none lost, none duplicated
+    assert 0 < len(ok) < len(seeds)   # a queue of 4 both serves and refuses in a burst of 50
+    time.sleep(1.0)
+    after = server.rss_mib()
+    print(f"burst of {len(seeds)} in {burst_s:.2f} s: {len(ok)} images, {len(seeds) - len(ok)} x 429; "
+          f"RSS post-load {post_load:.0f} MiB, after the burst {after:.0f} MiB ({after / post_load - 1:+.1%})")
+    assert request(server.port, "GET", "/health")[0] == 200
+    assert after <= 1.10 * post_load
+
+
+BAD_REQUESTS = {
+    "not_json": (b"{prompt: 'a cat'", None),
+    "json_not_an_object": (b'["a cat"]', None),
+    "no_prompt": ({"n": 1}, "prompt"),
+    "empty_prompt": ({"prompt": ""}, "prompt"),
+    "prompt_not_a_string": ({"prompt": 42}, "prompt"),
+    "prompt_too_long": ({"prompt": "a red bicycle " * 200}, "prompt"),
+    "n_too_large": ({"prompt": "a cat", "n": 3}, "n"),
+    "n_zero": ({"prompt": "a cat", "n": 0}, "n"),
+    "n_a_string": ({"prompt": "a cat", "n": "2"}, "n"),
+    "unknown_size": ({"prompt": "a cat", "size": "1024x1024"}, "size"),
+    "size_not_a_size": ({"prompt": "a cat", "size": "big"}, "size"),
+    "response_format_url": ({"prompt": "a cat", "response_format": "url"}, "response_format"),
+    "steps_zero": ({"prompt": "a cat", "steps": 0}, "steps"),
+    "steps_a_float": ({"prompt": "a cat", "steps": 2.5}, "steps"),
+    "guidance_a_string": ({"prompt": "a cat", "guidance": "high"}, "guidance"),
+    "seed_negative": ({"prompt": "a cat", "seed": -1}, "seed"),
+    "unknown_key": ({"prompt": "a cat", "quality": "hd"}, "quality"),
+    "wrong_model": ({"prompt": "a cat", "model": "dall-e-3"}, "model"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=str)
+def test_bad_request_is_400_in_openai_shape(server, case):
+    body, param = BAD_REQUESTS[case]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, _, reply = request(server.port, "POST", "/v1/images/generations", raw=raw)
+    assert status == 400, reply
+    err = reply["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"], err
+    print(f"{case}: {err['message']}")
+
+
+def test_health_models_and_access_log(server):
+    status, _, health = request(server.port, "GET", "/health")
+    assert status == 200 and health["status"] == "ok"
+    status, _, models = request(server.port, "GET", "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == health["model"]
+    assert request(server.port, "GET", "/v1/nothing")[0] == 404
+    records = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+    images = [r for r in records if r["path"] == "/v1/images/generations" and r["status"] == 200]
+    assert images and all(r["total_s"] >= r["run_s"] > 0 and r["queue_s"] >= 0 for r in images)
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle, tmp_path):
+    srv = ServeProcess(bundle, tmp_path / "serve.log")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # Enough steps that the image is still being made when the signal arrives.
+            slow = pool.submit(gen, srv.port, seed=5, steps=40)
+            deadline = time.monotonic() + 30
+            while request(srv.port, "GET", "/health")[2]["running"] == 0:
+                assert time.monotonic() < deadline and not slow.done()
+                time.sleep(0.02)
+            srv.proc.send_signal(signal.SIGTERM)
+            status, _, body = slow.result(timeout=120)
+        assert status == 200 and Image.open(io.BytesIO(png_of(body))).text["steps"] == "40"
+        assert srv.proc.wait(60) == 0, srv.log_path.read_text()
+    finally:
+        srv.close()
+
+
+def test_serve_refusals_are_one_line(bundle):
+    proc = qic("serve", bundle, "--tp", "2", check=False)
+    assert proc.returncode == 2 and "built for tp=1" in proc.stderr and "Traceback" not in proc.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = qic("serve", bundle, "--port", taken.getsockname()[1], check=False)
+    assert proc.returncode == 2 and "cannot listen on 127.0.0.1:" in proc.stderr, proc.stderr
+

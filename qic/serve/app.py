@@ -8,7 +8,6 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -20,16 +19,9 @@ from starlette.exceptions import HTTPException
 from qic.errors import QicError
 from qic.runtime.generate import Request as GenRequest
 from qic.serve.queue import QueueFull, Scheduler
+from qic.serve.settings import Settings
 
 access_log = logging.getLogger("qic.serve.access")
-
-
-@dataclass(frozen=True)
-class Settings:
-    queue: int = 16          # images waiting beyond the one running; more get 429
-    timeout: float = 300.0   # seconds from arrival to the image, queueing included
-    max_n: int = 4           # images per request
-    max_batch: int = 8       # largest batch of compatible images run together (if the bundle has the graphs)
 
 
 class ImageRequest(BaseModel):

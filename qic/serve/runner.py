@@ -26,7 +26,8 @@ def manifest_batch_sizes(manifest: dict) -> tuple[int, ...]:
 class BundleRunner:
     def __init__(self, bundle: Bundle):
         self.bundle = bundle
-        self.model_id = bundle.manifest.get("model", {}).get("id") or bundle.path.name
+        # The served model is named after the bundle directory (what the operator chose to deploy).
+        self.model_id = bundle.path.resolve().name
         self.created = int(bundle.path.joinpath("manifest.json").stat().st_mtime)
         self.bundle_batch_sizes = manifest_batch_sizes(bundle.manifest)
         self.batch_sizes = tuple(s for s in self.bundle_batch_sizes if s in RUNTIME_BATCH_SIZES)
