@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ import pytest
 from PIL import Image
 
 from qic.errors import ConfigError
+from qic.serve.client import request
 from qic.serve.queue import Job, take_group
 from tests.conftest import QIC, ROOT, TINY_RES, qic
 
@@ -34,19 +34,6 @@ STEPS = 2
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-def request(port: int, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60):
-    """(status, headers, parsed JSON body) over a fresh loopback connection."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
-        resp = conn.getresponse()
-        payload = resp.read()
-        return resp.status, dict(resp.getheaders()), json.loads(payload) if payload else None
-    finally:
-        conn.close()
-
 
 def png_of(body: dict, i: int = 0) -> bytes:
     return base64.b64decode(body["data"][i]["b64_json"])
@@ -263,7 +250,8 @@ def test_openai_client_gets_the_png_qic_run_writes(server, bundle, tmp_path):
     assert served[0] == written[0] and served[1] == written[1]
     assert served[0] != served[1]   # n=2 draws seeds 11 and 12: the comparison can tell images apart
     meta = Image.open(io.BytesIO(served[1])).text
-    assert meta["seed"] == "12" and meta["negative_prompt"] == "blurry" and meta["resolution"] == "{}x{}".format(*TINY_RES)
+    assert meta["seed"] == "12" and meta["negative_prompt"] == "blurry"
+    assert meta["resolution"] == "{}x{}".format(*TINY_RES)
 
 
 def test_burst_of_50_gets_images_or_429_and_memory_settles(server):
@@ -342,15 +330,33 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle, tmp_path):
     try:
         with ThreadPoolExecutor(1) as pool:
             # Enough steps that the image is still being made when the signal arrives.
-            slow = pool.submit(gen, srv.port, seed=5, steps=40)
+            slow = pool.submit(gen, srv.port, seed=5, steps=12)
             deadline = time.monotonic() + 30
             while request(srv.port, "GET", "/health")[2]["running"] == 0:
                 assert time.monotonic() < deadline and not slow.done()
                 time.sleep(0.02)
             srv.proc.send_signal(signal.SIGTERM)
             status, _, body = slow.result(timeout=120)
-        assert status == 200 and Image.open(io.BytesIO(png_of(body))).text["steps"] == "40"
+        assert status == 200 and Image.open(io.BytesIO(png_of(body))).text["steps"] == "12"
         assert srv.proc.wait(60) == 0, srv.log_path.read_text()
+    finally:
+        srv.close()
+
+
+def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, tmp_path):
+    srv = ServeProcess(bundle_tp2, tmp_path / "serve.log", "--tp", 2)
+    try:
+        ranks = psutil.Process(srv.proc.pid).children()
+        assert len(ranks) >= 2   # the spawned ranks (and multiprocessing's helper, if any)
+        status, _, body = gen(srv.port, seed=4)
+        assert status == 200
+        qic("run", bundle_tp2, "--tp", 2, "--prompt", "a red bicycle", "--steps", STEPS, "--seed", 4,
+            "--output", tmp_path / "run.png")
+        assert png_of(body) == (tmp_path / "run.png").read_bytes()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.log_path.read_text()
+        psutil.wait_procs(ranks, timeout=10)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
     finally:
         srv.close()
 

@@ -1,8 +1,14 @@
-"""`qic serve BUNDLE`: check, load once, bind, then serve until SIGTERM or Ctrl-C drains it."""
+"""`qic serve BUNDLE`: check, load once, bind, then serve until SIGTERM or Ctrl-C drains it.
+
+At tp=N, N ranks are spawned on loopback as `qic run --tp N` does; rank 0 serves HTTP and the others
+run what it sends them. The parent forwards SIGTERM to the ranks: rank 0 drains, then releases the
+others, and every process exits 0.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -18,33 +24,61 @@ def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) 
     if tp is not None and tp != built_tp:
         raise ConfigError(f"--tp {tp} asked for, but the bundle was built for tp={built_tp}",
                           f"serve with --tp {built_tp} or rebuild with --tp {tp}")
-    if built_tp != 1:
-        raise ConfigError(f"qic serve runs tp=1 bundles only; {bundle_path} was built for tp={built_tp}",
-                          f"serve a tp=1 build, or use `qic run --tp {built_tp} --prompts-file`")
+    if "WORLD_SIZE" in os.environ:
+        raise ConfigError("qic serve starts its own ranks; do not launch it with torchrun",
+                          f"run `qic serve {bundle_path} --tp {built_tp}`")
     for name in ("queue", "max_n", "max_batch"):
         if getattr(settings, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if not settings.timeout > 0:
         raise ConfigError("--timeout must be a positive number of seconds")
-    # Binding before loading makes a taken port a one-line error rather than a wasted load.
-    sock = _bind(host, port)
+    if built_tp == 1:
+        serve_rank(0, 1, bundle_path, host, port, settings)
+        return
+    from qic.parallel.ranks import spawn
+    signal.signal(signal.SIGTERM, _forward_to_ranks)
+    threads = max(1, (os.cpu_count() or 1) // built_tp)
+    spawn(serve_rank, built_tp, bundle_path, host, port, settings, threads=threads, timeout=365 * 24 * 3600.0)
+
+
+def _forward_to_ranks(sig, frame) -> None:
+    """SIGTERM for the server reaches this parent: pass it on. Rank 0 drains; the others ignore it and
+    stop when rank 0 releases them."""
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, sig)
+
+
+def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, settings) -> None:
+    if rank > 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    else:
+        # Binding before loading makes a taken port a one-line error rather than a wasted load.
+        sock = _bind(host, port)
+
+    from qic.runtime.bundle import Bundle
+    from qic.serve.runner import BundleRunner, control_group, follow
+
+    t = time.perf_counter()
+    bundle = Bundle(bundle_path, rank=rank, world=world)
+    group = control_group(world)
+    if rank > 0:
+        follow(bundle, group)
+        return
 
     import uvicorn
 
-    from qic.runtime.bundle import Bundle
     from qic.serve.app import create_app
-    from qic.serve.runner import BundleRunner
 
     _log_to_stderr()
     log = logging.getLogger("qic.serve")
-    t = time.perf_counter()
-    runner = BundleRunner(Bundle(bundle_path))
-    log.info(f"loaded {bundle_path} ({runner.model_id}, sizes {', '.join(runner.sizes)}) in "
+    runner = BundleRunner(bundle, group)
+    log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in "
              f"{time.perf_counter() - t:.2f} s; batch sizes: bundle {list(runner.bundle_batch_sizes)}, "
              f"run {list(runner.batch_sizes)}")
-    app = create_app(runner, settings)
     # In-flight and queued requests get the request timeout to finish after SIGTERM, then are cut.
-    config = uvicorn.Config(app, access_log=False, log_config=None, lifespan="on",
+    config = uvicorn.Config(create_app(runner, settings), access_log=False, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(settings.timeout) + 5)
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has drained; with Python's default handler
@@ -52,7 +86,10 @@ def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) 
     signal.signal(signal.SIGTERM, lambda *_: None)
     h, p = sock.getsockname()[:2]
     print(f"qic serve: listening on http://{h}:{p}", flush=True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        runner.close()
     log.info("stopped")
 
 
@@ -65,7 +102,6 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}", "pick another --port or --host") from None
-    sock.set_inheritable(True)
     return sock
 
 
