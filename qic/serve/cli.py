@@ -58,10 +58,13 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
         sock = _bind(host, port)
 
     from qic.runtime.bundle import Bundle
-    from qic.serve.runner import BundleRunner, control_group, follow
+    from qic.serve.runner import BundleRunner, control_group, follow, warm
 
     t = time.perf_counter()
     bundle = Bundle(bundle_path, rank=rank, world=world)
+    loaded = time.perf_counter() - t
+    warm(bundle)
+    warmed = time.perf_counter() - t - loaded
     group = control_group(world)
     if rank > 0:
         follow(bundle, group)
@@ -74,8 +77,8 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
     _log_to_stderr()
     log = logging.getLogger("qic.serve")
     runner = BundleRunner(bundle, group)
-    log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in "
-             f"{time.perf_counter() - t:.2f} s; batch sizes: bundle {list(runner.bundle_batch_sizes)}, "
+    log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s, "
+             f"warmed every graph in {warmed:.2f} s; batch sizes: bundle {list(runner.bundle_batch_sizes)}, "
              f"run {list(runner.batch_sizes)}")
     # In-flight and queued requests get the request timeout to finish after SIGTERM, then are cut.
     config = uvicorn.Config(create_app(runner, settings), access_log=False, log_config=None, lifespan="on",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 
+import torch
+
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate, text_plan, validate
 from qic.runtime.png import png_bytes
@@ -30,6 +32,16 @@ def manifest_batch_sizes(manifest: dict) -> tuple[int, ...]:
 # Ranks wait on the control group between requests, which may be idle for days; the compute
 # collectives inside the graphs keep the short timeout that makes a dead rank an error within seconds.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+def warm(bundle: Bundle) -> None:
+    """Run every graph once on placeholder inputs before the port opens, so that no request pays for
+    first touches (memory-mapped weight pages, kernel and allocator set-up). The outputs are dropped.
+    At tp>1 every rank calls it, in manifest order, so the graphs' all-reduces pair up."""
+    for graph in bundle.graphs.values():
+        # Token ids and masks of ones (a real token, attended), zeros elsewhere: finite everywhere.
+        graph(*(torch.ones(spec["shape"], dtype=torch.long) if spec["dtype"] == "int64" else
+                torch.zeros(spec["shape"]) for spec in graph.inputs))
 
 
 def control_group(world: int):
