@@ -93,7 +93,7 @@ def run(bundle, **options):
 @click.argument("bundle", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
-@click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (must equal the bundle's tp; 1 today).")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
 @click.option("--queue", type=int, default=16, show_default=True, help="Images that may wait; more get 429.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="Seconds a request may take, queueing included (504 after).")

@@ -330,14 +330,14 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle, tmp_path):
     try:
         with ThreadPoolExecutor(1) as pool:
             # Enough steps that the image is still being made when the signal arrives.
-            slow = pool.submit(gen, srv.port, seed=5, steps=12)
+            slow = pool.submit(gen, srv.port, seed=5, steps=30)
             deadline = time.monotonic() + 30
             while request(srv.port, "GET", "/health")[2]["running"] == 0:
                 assert time.monotonic() < deadline and not slow.done()
                 time.sleep(0.02)
             srv.proc.send_signal(signal.SIGTERM)
             status, _, body = slow.result(timeout=120)
-        assert status == 200 and Image.open(io.BytesIO(png_of(body))).text["steps"] == "12"
+        assert status == 200 and Image.open(io.BytesIO(png_of(body))).text["steps"] == "30"
         assert srv.proc.wait(60) == 0, srv.log_path.read_text()
     finally:
         srv.close()
