@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -359,6 +360,17 @@ def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, t
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
     finally:
         srv.close()
+
+
+def test_server_imports_no_model_or_compiler_code():
+    code = """
+import sys
+import qic.serve.app, qic.serve.cli, qic.serve.runner
+print(sorted(m for m in sys.modules if m.startswith(("qic.models", "qic.build", "qic.backends.inductor",
+      "qic.backends.neuron", "torch._inductor", "torch._dynamo")) and m != "qic.backends.inductor_loader"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_serve_refusals_are_one_line(bundle):
