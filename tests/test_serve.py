@@ -12,7 +12,6 @@ import base64
 import http.client
 import io
 import json
-import os
 import signal
 import socket
 import subprocess
