@@ -101,5 +101,24 @@ def doctor(as_json):
     run_doctor(as_json)
 
 
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
+@click.option("--queue", type=int, default=16, show_default=True, help="Images that may wait; more get 429.")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="Seconds a request may take, queueing included (504 after).")
+@click.option("--max-n", type=int, default=4, show_default=True, help="Most images one request may ask for.")
+@click.option("--max-batch", type=int, default=8, show_default=True,
+              help="Most compatible images run as one batch, where the bundle has graphs for it.")
+@_friendly
+def serve(bundle, host, port, tp, queue, timeout, max_n, max_batch):
+    """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
+    from qic.serve.cli import run_serve
+    from qic.serve.settings import Settings
+    run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch))
+
+
 if __name__ == "__main__":
     main()

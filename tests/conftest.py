@@ -106,3 +106,12 @@ def bundle_exact(bundle, workdir, cache_dir, tiny_ckpt) -> Path:
     qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
         "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "0")
     return out
+
+
+@pytest.fixture(scope="session")
+def bundle_tp2(bundle, workdir, cache_dir, tiny_ckpt) -> Path:
+    """The embedded model built with --tp 2 (one resolution, one bucket); the VAE graph is shared."""
+    out = workdir / "bundle-tp2"
+    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2",
+        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,")
+    return out

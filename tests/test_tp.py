@@ -514,13 +514,10 @@ def test_zz_print_figures():
 
 # ------------------------------------------------------------------ qic build --tp / qic run --tp, end to end
 
-def test_tp2_bundle_runs_and_matches_tp1(bundle, workdir, cache_dir, tiny_ckpt, tmp_path):
+def test_tp2_bundle_runs_and_matches_tp1(bundle, bundle_tp2, tmp_path):
     """The embedded model built with --tp 2, run by `qic run` (spawned ranks) and by torchrun."""
-    from tests.conftest import ROOT, SHORT_PROMPT, TINY_RES, image_diff, qic
-    out = workdir / "bundle-tp2"
-    res = "{}x{}".format(*TINY_RES)
-    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2",
-        "--resolution", res, "--text-buckets", "128,")
+    from tests.conftest import ROOT, SHORT_PROMPT, image_diff, qic
+    out = bundle_tp2
     files = sorted(p.relative_to(out).as_posix() for p in (out / "weights").rglob("*.safetensors"))
     assert files == ["weights/denoiser/rank0.safetensors", "weights/denoiser/rank1.safetensors",
                      "weights/text_encoder/rank0.safetensors", "weights/text_encoder/rank1.safetensors",

@@ -58,18 +58,10 @@ def generate(bundle: Bundle, req: Request) -> Result:
     req = validate(req, bundle)
     times: dict = {}
     t = time.perf_counter()
-    # True CFG as diffusers does it: on when guidance > 1 and a negative prompt is given. Off, the uncond
-    # row repeats the prompt with guidance 1, which makes the combination exactly the cond prediction.
-    cfg = req.guidance > 1 and req.negative_prompt is not None
+    plan = text_plan(bundle, req)
+    cfg, ids_pos, ids_neg, bucket = plan.cfg, plan.ids_pos, plan.ids_neg, plan.bucket
     drop = bundle.prompt["drop_tokens"]
-    ids_pos = _ids(bundle, req.prompt)
-    ids_neg = _ids(bundle, req.negative_prompt) if cfg else ids_pos
-    longest = max(len(ids_pos), len(ids_neg))
-    if longest > bundle.prompt["max_tokens"] + drop:
-        raise ConfigError(f"prompt is {longest} tokens with the template; the model takes at most "
-                          f"{bundle.prompt['max_tokens'] + drop}")
-    bucket = pick_bucket(longest, bundle.buckets)
-    length = bucket or longest
+    length = bucket or max(len(ids_pos), len(ids_neg))
     times["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -105,6 +97,28 @@ def generate(bundle: Bundle, req: Request) -> Result:
     image = bundle.graph("vae_decoder", (req.height, req.width))(x.float())[0]
     times["decode"] = time.perf_counter() - t
     return Result(to_pil(image), req, times, bucket)
+
+
+@dataclass
+class TextPlan:
+    cfg: bool                 # true CFG on: the uncond row encodes the negative prompt
+    ids_pos: list[int]
+    ids_neg: list[int]        # the prompt's ids again when CFG is off
+    bucket: int               # the text bucket (0: exact length)
+
+
+def text_plan(bundle: Bundle, req: Request) -> TextPlan:
+    """Tokenize and pick the bucket; a prompt longer than the model takes is a ConfigError."""
+    # True CFG as diffusers does it: on when guidance > 1 and a negative prompt is given. Off, the uncond
+    # row repeats the prompt with guidance 1, which makes the combination exactly the cond prediction.
+    cfg = req.guidance > 1 and req.negative_prompt is not None
+    limit = bundle.prompt["max_tokens"] + bundle.prompt["drop_tokens"]
+    ids_pos = _ids(bundle, req.prompt)
+    ids_neg = _ids(bundle, req.negative_prompt) if cfg else ids_pos
+    longest = max(len(ids_pos), len(ids_neg))
+    if longest > limit:
+        raise ConfigError(f"prompt is {longest} tokens with the template; the model takes at most {limit}")
+    return TextPlan(cfg, ids_pos, ids_neg, pick_bucket(longest, bundle.buckets))
 
 
 def _ids(bundle: Bundle, prompt: str) -> list[int]:

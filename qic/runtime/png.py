@@ -11,6 +11,13 @@ from qic.fsutil import write_bytes_atomic
 
 
 def save_png(result, bundle_id: str, path: str | Path) -> Path:
+    path = Path(path)
+    write_bytes_atomic(path, png_bytes(result, bundle_id))
+    return path
+
+
+def png_bytes(result, bundle_id: str) -> bytes:
+    """The PNG file's bytes: the same for the same image and settings, whoever writes or sends them."""
     req = result.request
     info = PngInfo()
     for key, value in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt), ("seed", req.seed),
@@ -19,6 +26,4 @@ def save_png(result, bundle_id: str, path: str | Path) -> Path:
         info.add_itxt(key, "" if value is None else str(value))
     buf = io.BytesIO()
     result.image.save(buf, format="PNG", pnginfo=info)
-    path = Path(path)
-    write_bytes_atomic(path, buf.getvalue())
-    return path
+    return buf.getvalue()

@@ -1,0 +1,208 @@
+"""HTTP routes in the OpenAI images API's shape, its error bodies, and a structured access log."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from qic.errors import QicError
+from qic.runtime.generate import Request as GenRequest
+from qic.serve.queue import QueueFull, Scheduler
+from qic.serve.settings import Settings
+
+access_log = logging.getLogger("qic.serve.access")
+
+
+class ImageRequest(BaseModel):
+    """POST /v1/images/generations. Strict types: "2" is not a number. Unknown keys are refused."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: str = Field(min_length=1)
+    n: int = Field(1, ge=1)
+    size: str = "auto"
+    response_format: Literal["b64_json"] = "b64_json"
+    model: str | None = None
+    user: str | None = None
+    # qic's extensions; defaults are `qic run`'s so the same settings give the same image.
+    seed: int = Field(0, ge=0, lt=2**63)
+    steps: int = Field(20, ge=1, le=1000)
+    guidance: float = Field(4.0, ge=0, allow_inf_nan=False)
+    negative_prompt: str | None = " "
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def create_app(runner, settings: Settings = Settings()) -> FastAPI:
+    """runner: .plan(GenRequest) -> batch key (raises QicError), .run(list) -> list of PNG bytes,
+    .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes."""
+    scheduler = Scheduler(runner.run, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch])
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        await scheduler.stop()
+
+    app = FastAPI(title="qic serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
+    app.add_middleware(AccessLog)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return error_response(ApiError(400, "the request body is not valid JSON"))
+        param = ".".join(loc) or None
+        return error_response(ApiError(400, f"{param or 'body'}: {err.get('msg')}", param))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        return error_response(ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": runner.model_id, "queued": len(scheduler.pending),
+                "running": scheduler.running}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": runner.model_id, "object": "model", "created": runner.created,
+                                             "owned_by": "qic"}]}
+
+    @app.post("/v1/images/generations")
+    async def generations(body: ImageRequest, request: Request):
+        items = _plan(runner, settings, body)
+        log = request.state.log
+        log.update(n=body.n, size=body.size, steps=body.steps, seed=body.seed)
+        try:
+            jobs = scheduler.submit(items)
+        except QueueFull as e:
+            log["rejected"] = "queue full"
+            raise ApiError(429, f"the queue is full ({settings.queue} images waiting); retry after {e.retry_after} s",
+                           type_="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        outcome = await _wait(request, [j.future for j in jobs], settings.timeout)
+        started = [j.started for j in jobs if j.started is not None]
+        if started:
+            log["queue_s"] = round(min(started) - jobs[0].enqueued, 4)
+            log["batch"] = max(j.batch for j in jobs)
+        if outcome != "done":
+            cancelled = sum(scheduler.cancel(j) for j in jobs)
+            log["cancelled_queued"] = cancelled
+            if outcome == "disconnected":
+                log["rejected"] = "client disconnected"
+                return JSONResponse({}, status_code=499)  # nginx's code; nobody is there to read it
+            raise ApiError(504, f"no image within the server's {settings.timeout:g} s timeout",
+                           type_="timeout_error", code="timeout")
+        try:
+            pngs = [f.result() for f in (j.future for j in jobs)]
+        except Exception as e:
+            log["error"] = f"{type(e).__name__}: {e}"
+            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type_="server_error") from None
+        log["run_s"] = round(time.perf_counter() - min(started), 4)
+        return {"created": int(time.time()), "output_format": "png", "size": body.size,
+                "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]}
+
+    return app
+
+
+class AccessLog:
+    """One JSON line per request: method, path, status, timings, and what the route added to
+    request.state.log (images, queue and run seconds, batch size, why it was refused)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t = time.perf_counter()
+        status = 500   # what the server's error handler sends if the app raises
+        extra: dict = {}
+        scope.setdefault("state", {})["log"] = extra
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            client = scope.get("client")
+            record = {"method": scope["method"], "path": scope["path"], "status": status,
+                      "client": client[0] if client else None, "total_s": round(time.perf_counter() - t, 4),
+                      **extra}
+            access_log.info(json.dumps(record))
+
+
+def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
+    """One generation request per image (seeds seed, seed+1, ...), each checked against the bundle."""
+    if body.n > settings.max_n:
+        raise ApiError(400, f"n is {body.n}; this server makes at most {settings.max_n} images a request", "n")
+    if body.model is not None and body.model != runner.model_id:
+        raise ApiError(400, f"model {body.model!r} is not served here; it serves {runner.model_id!r}", "model")
+    if body.size == "auto":
+        height = width = None
+    elif body.size in runner.sizes:
+        height, width = runner.sizes[body.size]
+    else:
+        raise ApiError(400, f"size {body.size!r} is not in this bundle; it has: {', '.join(runner.sizes)} "
+                            "(WIDTHxHEIGHT) or auto", "size")
+    items = []
+    for i in range(body.n):
+        req = GenRequest(body.prompt, body.negative_prompt, body.steps, float(body.guidance), body.seed + i,
+                         height, width)
+        try:
+            key = runner.plan(req)
+        except QicError as e:
+            raise ApiError(400, e.message, "prompt" if "prompt" in e.message else None) from None
+        items.append((req, key))
+    return items
+
+
+async def _wait(request: Request, futures: list[asyncio.Future], timeout: float) -> str:
+    """'done', 'disconnected' or 'timeout', whichever comes first."""
+    results = asyncio.gather(*futures, return_exceptions=True)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({results, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if results in done:
+        return "done"
+    results.cancel()
+    return "disconnected" if gone in done else "timeout"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body has been read, so only that can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

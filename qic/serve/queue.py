@@ -1,0 +1,129 @@
+"""The bounded request queue: admission (429 when full), cancellation, and grouping into batches.
+
+Everything here runs on the event loop's thread except the runner, which one worker thread calls with
+one group at a time, so the graphs never run concurrently and the queue needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Job:
+    item: object                   # what the runner gets (a qic Request in the server)
+    key: Hashable                  # jobs with equal keys may run in one batch
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float | None = None   # when the worker took it
+    batch: int = 0                 # the size of the batch it ran in
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"queue full, retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+def take_group(pending: list[Job], batch_sizes: Sequence[int]) -> list[Job]:
+    """Remove and return the next batch: the oldest job plus the oldest jobs compatible with it.
+
+    The batch size is the largest of `batch_sizes` (sizes the bundle has graphs for; 1 is always
+    allowed) that the compatible jobs fill, so no graph runs padded rows. FIFO for the head job, so a
+    request that nothing matches is never starved by a stream of mutually compatible ones.
+    """
+    if not pending:
+        return []
+    head = pending[0]
+    compatible = [j for j in pending if j.key == head.key]
+    size = max(s for s in {1, *batch_sizes} if s <= len(compatible))
+    group = compatible[:size]
+    taken = set(map(id, group))
+    pending[:] = [j for j in pending if id(j) not in taken]
+    return group
+
+
+class Scheduler:
+    """Admits up to `capacity` waiting jobs and feeds them, grouped, to `run_batch` on one thread.
+
+    run_batch(items) -> list of outputs, one per item, in order. An exception fails the whole group.
+    """
+
+    def __init__(self, run_batch: Callable[[list], list], capacity: int, batch_sizes: Sequence[int] = (1,)):
+        self.run_batch = run_batch
+        self.capacity = capacity
+        self.batch_sizes = tuple(sorted({1, *batch_sizes}))
+        self.pending: list[Job] = []
+        self.running = 0                  # jobs in the batch now executing
+        self.job_seconds = 1.0            # running mean of run time per job, for Retry-After
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="qic-runner")
+        self._task: asyncio.Task | None = None
+
+    def submit(self, items: list[tuple[object, Hashable]]) -> list[Job]:
+        """Queue all items or none (a request's n images are admitted together)."""
+        if len(self.pending) + len(items) > self.capacity:
+            waiting = len(self.pending) + self.running
+            raise QueueFull(max(1, math.ceil(self.job_seconds * waiting)))
+        loop = asyncio.get_running_loop()
+        jobs = [Job(item, key, loop.create_future()) for item, key in items]
+        self.pending.extend(jobs)
+        self._wake.set()
+        return jobs
+
+    def cancel(self, job: Job) -> bool:
+        """Drop a job that has not started (its client left or timed out). False if it already runs."""
+        if job in self.pending:
+            self.pending.remove(job)
+            if not job.future.done():
+                job.future.cancel()
+            return True
+        return False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._work())
+
+    async def stop(self) -> None:
+        """Called after the HTTP server has drained: nothing is waiting on the jobs any more."""
+        for job in list(self.pending):
+            self.cancel(job)
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            group = take_group(self.pending, self.batch_sizes)
+            t = time.perf_counter()
+            for job in group:
+                job.started, job.batch = t, len(group)
+            self.running = len(group)
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.run_batch, [j.item for j in group])
+                if len(outputs) != len(group):
+                    raise RuntimeError(f"runner returned {len(outputs)} outputs for {len(group)} jobs")
+            except Exception as e:  # the group fails; the server and the queue go on
+                for job in group:
+                    if not job.future.done():
+                        job.future.set_exception(e)
+            else:
+                for job, out in zip(group, outputs):
+                    if not job.future.done():
+                        job.future.set_result(out)
+                self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - t) / len(group)
+            finally:
+                self.running = 0

@@ -1,0 +1,98 @@
+"""The server's view of a loaded bundle: what it serves, how a request is checked, and running it.
+
+Images come from the runtime's own `generate` and `png_bytes`, so a served PNG is byte for byte the
+file `qic run` writes with the same settings. With tensor parallelism, rank 0 serves HTTP and sends
+each batch to the other ranks over a control process group before running it; every rank then runs
+the same `generate`, whose graphs all-reduce among them.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from qic.runtime.bundle import Bundle
+from qic.runtime.generate import Request, generate, text_plan, validate
+from qic.runtime.png import png_bytes
+
+# The generation loop runs one image at a time; batched denoise graphs would be listed in the
+# manifest's `batch_sizes` by a build that makes them, and the runner would then run them.
+RUNTIME_BATCH_SIZES = (1,)
+
+
+def manifest_batch_sizes(manifest: dict) -> tuple[int, ...]:
+    """The batch sizes a bundle has graphs for (`batch_sizes` in the manifest; bundles without it: 1)."""
+    sizes = manifest.get("batch_sizes", [1])
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 1 for s in sizes):
+        return (1,)
+    return tuple(sorted({1, *sizes}))
+
+
+# Ranks wait on the control group between requests, which may be idle for days; the compute
+# collectives inside the graphs keep the short timeout that makes a dead rank an error within seconds.
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+def warm(bundle: Bundle) -> None:
+    """Run every graph once on placeholder inputs before the port opens, so that no request pays for
+    first touches (memory-mapped weight pages, kernel and allocator set-up). The outputs are dropped.
+    At tp>1 every rank calls it, in manifest order, so the graphs' all-reduces pair up."""
+    for graph in bundle.graphs.values():
+        # Token ids and masks of ones (a real token, attended), zeros elsewhere: finite everywhere.
+        graph(*(torch.ones(spec["shape"], dtype=torch.long) if spec["dtype"] == "int64" else
+                torch.zeros(spec["shape"]) for spec in graph.inputs))
+
+
+def control_group(world: int):
+    """A gloo group for passing batches from rank 0 (None at tp=1). Every rank calls it, in order."""
+    if world == 1:
+        return None
+    import torch.distributed as dist
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def follow(bundle: Bundle, group) -> None:
+    """A rank above 0: run each batch rank 0 sends, until it sends None (its server has stopped)."""
+    import torch.distributed as dist
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is None:
+            return
+        for req in box[0]:
+            generate(bundle, req)
+
+
+class BundleRunner:
+    def __init__(self, bundle: Bundle, group=None):
+        self.bundle = bundle
+        self.group = group   # the control group when tensor-parallel
+        # The served model is named after the bundle directory (what the operator chose to deploy).
+        self.model_id = bundle.path.resolve().name
+        self.created = int(bundle.path.joinpath("manifest.json").stat().st_mtime)
+        self.bundle_batch_sizes = manifest_batch_sizes(bundle.manifest)
+        self.batch_sizes = tuple(s for s in self.bundle_batch_sizes if s in RUNTIME_BATCH_SIZES)
+        # OpenAI sizes are WIDTHxHEIGHT; the bundle lists (height, width).
+        self.sizes = {f"{w}x{h}": (h, w) for h, w in bundle.resolutions}
+
+    def plan(self, req: Request) -> tuple:
+        """Check a request against the bundle (ConfigError if it cannot run) and return its batch key:
+        requests with equal keys run the same graphs with the same scalars' shapes."""
+        validate(req, self.bundle)
+        text = text_plan(self.bundle, req)
+        return (req.height, req.width, text.bucket, req.steps, text.cfg)
+
+    def run(self, reqs: list[Request]) -> list[bytes]:
+        if len(reqs) not in self.batch_sizes:
+            raise RuntimeError(f"batch of {len(reqs)}: this runner runs {self.batch_sizes}")
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.broadcast_object_list([reqs], src=0, group=self.group)
+        return [png_bytes(generate(self.bundle, r), self.bundle.id) for r in reqs]
+
+    def close(self) -> None:
+        """Release the other ranks (tensor-parallel): nothing more will come."""
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.broadcast_object_list([None], src=0, group=self.group)

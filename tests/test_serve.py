@@ -1,0 +1,383 @@
+"""Issue 9: `qic serve`, the OpenAI images API over a bundle.
+
+Tests named *fake_runner* drive the HTTP app and the queue with FakeRunner, a stand-in for the bundle
+that records what it was asked to run (it makes no images): they cover batching, which needs graphs
+for batch sizes above 1 that no bundle has yet, and timing-dependent paths (disconnect, timeout).
+The other tests serve the session bundle through the `qic serve` command.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+from PIL import Image
+
+from qic.errors import ConfigError
+from qic.serve.client import request
+from qic.serve.queue import Job, take_group
+from tests.conftest import QIC, ROOT, TINY_RES, qic
+
+SIZE = "{1}x{0}".format(*TINY_RES)   # OpenAI's WIDTHxHEIGHT
+STEPS = 2
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def png_of(body: dict, i: int = 0) -> bytes:
+    return base64.b64decode(body["data"][i]["b64_json"])
+
+
+class FakeRunner:
+    """Stands in for BundleRunner: items are dicts carrying their own batch key; run() records each
+    batch and returns a marker per item. `gate` holds run() until the test opens it."""
+
+    model_id = "fake"
+    created = 0
+    sizes = {SIZE: TINY_RES}
+
+    def __init__(self, batch_sizes=(1,), seconds: float = 0.0):
+        self.batch_sizes = batch_sizes
+        self.batches: list[list[int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self.seconds = seconds
+
+    def plan(self, req):
+        if req.prompt == "too long":
+            raise ConfigError("prompt is 999 tokens with the template; the model takes at most 128")
+        return (req.steps,)
+
+    def run(self, reqs):
+        self.started.set()
+        self.gate.wait(30)
+        time.sleep(self.seconds)
+        self.batches.append([r.seed for r in reqs])
+        return [f"seed {r.seed}".encode() for r in reqs]
+
+
+class ThreadServer:
+    """The app on uvicorn in a thread of this process, on a free loopback port."""
+
+    def __init__(self, runner, **settings):
+        import uvicorn
+
+        from qic.serve.app import Settings, create_app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(create_app(runner, Settings(**settings)), access_log=False, log_config=None)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+# --------------------------------------------------------------------- queue and batching (fakes)
+
+def test_take_group_batches_compatible_jobs_in_sizes_the_bundle_has():
+    def jobs(keys):
+        return [Job(i, k, None) for i, k in enumerate(keys)]
+    pending = jobs("aabaaab")
+    # sizes 1, 2, 4: five "a" jobs -> a batch of 4 (oldest first), then the "b"s in a batch of 2, then the last a.
+    assert [j.item for j in take_group(pending, (2, 4))] == [0, 1, 3, 4]
+    assert [j.item for j in take_group(pending, (2, 4))] == [2, 6]
+    assert [j.item for j in take_group(pending, (2, 4))] == [5]
+    assert pending == [] and take_group(pending, (2, 4)) == []
+    # Bundles today have batch-1 graphs only: one job at a time, in arrival order.
+    pending = jobs("aab")
+    assert [[j.item for j in take_group(pending, (1,))] for _ in range(3)] == [[0], [1], [2]]
+    # Three compatible jobs and sizes 1, 2, 4: a batch of 2, never 4 with a padded row.
+    pending = jobs("aaa")
+    assert len(take_group(pending, (1, 2, 4))) == 2
+
+
+def test_fake_runner_gets_compatible_requests_batched_over_http():
+    runner = FakeRunner(batch_sizes=(1, 2, 4))
+    runner.gate.clear()
+    with ThreadServer(runner, queue=16, max_batch=4) as srv, ThreadPoolExecutor(8) as pool:
+        first = pool.submit(request, srv.port, "POST", "/v1/images/generations",
+                            {"prompt": "x", "seed": 100, "steps": 3})
+        assert runner.started.wait(10)
+        # While the first runs: three images at steps 2 (one request, n=3), then two at steps 5.
+        scheduler = srv.server.config.app.state.scheduler
+        futs = []
+        for body, queued in (({"prompt": "x", "n": 3, "seed": 0, "steps": 2}, 3),
+                             ({"prompt": "x", "n": 2, "seed": 10, "steps": 5}, 5)):
+            futs.append(pool.submit(request, srv.port, "POST", "/v1/images/generations", body))
+            deadline = time.monotonic() + 10
+            while len(scheduler.pending) < queued:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        runner.gate.set()
+        results = [f.result() for f in [first, *futs]]
+    assert [s for s, _, _ in results] == [200, 200, 200]
+    # Batches of 2 (the largest size the compatible jobs fill), the oldest job always first: seed 2
+    # runs alone before the steps-5 pair rather than waiting behind it.
+    assert runner.batches == [[100], [0, 1], [2], [10, 11]]
+    assert [base64.b64decode(d["b64_json"]) for d in results[1][2]["data"]] == [b"seed 0", b"seed 1", b"seed 2"]
+
+
+def test_fake_runner_client_disconnect_cancels_queued_work():
+    runner = FakeRunner()
+    runner.gate.clear()
+    with ThreadServer(runner) as srv, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 1})
+        assert runner.started.wait(10)
+        # A second client queues an image and hangs up before it runs.
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        conn.request("POST", "/v1/images/generations", body=json.dumps({"prompt": "x", "seed": 2}),
+                     headers={"Content-Type": "application/json"})
+        scheduler = srv.server.config.app.state.scheduler
+        deadline = time.monotonic() + 10
+        while len(scheduler.pending) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        while len(scheduler.pending) > 0:
+            assert time.monotonic() < deadline, "the queued job was not cancelled"
+            time.sleep(0.02)
+        runner.gate.set()
+        assert first.result()[0] == 200
+    assert runner.batches == [[1]]   # seed 2 never ran
+
+
+def test_fake_runner_queue_full_is_429_with_retry_after_and_timeout_is_504():
+    runner = FakeRunner()
+    runner.gate.clear()
+    with ThreadServer(runner, queue=1, timeout=1.0) as srv, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 1})
+        assert runner.started.wait(10)
+        queued = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 2})
+        time.sleep(0.3)
+        status, headers, body = request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 3})
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        assert body["error"]["code"] == "rate_limit_exceeded"
+        # Nothing finishes within the 1 s timeout while the gate is shut: both waiting requests get 504.
+        for f in (first, queued):
+            status, _, body = f.result()
+            assert status == 504 and body["error"]["type"] == "timeout_error"
+        runner.gate.set()
+        assert request(srv.port, "GET", "/health")[0] == 200
+    assert runner.batches == [[1]]   # the queued seed-2 job was dropped at its timeout
+
+
+# ------------------------------------------------------------------------ the real bundle, served
+
+class ServeProcess:
+    """`qic serve BUNDLE --port 0 ...` in a child process; stderr (the access log) goes to a file."""
+
+    def __init__(self, bundle, log_path, *args):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([*QIC, "serve", str(bundle), "--port", "0", *map(str, args)], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, (line, log_path.read_text())
+        self.port = int(line.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if request(self.port, "GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+
+    def rss_mib(self) -> float:
+        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(bundle, tmp_path_factory):
+    srv = ServeProcess(bundle, tmp_path_factory.mktemp("serve") / "serve.log", "--queue", 4, "--max-n", 2)
+    yield srv
+    srv.close()
+    assert srv.proc.returncode == 0, srv.log_path.read_text()
+
+
+def gen(port: int, **body):
+    return request(port, "POST", "/v1/images/generations", {"prompt": "a red bicycle", "steps": STEPS, **body})
+
+
+def test_openai_client_gets_the_png_qic_run_writes(server, bundle, tmp_path):
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    settings = {"negative_prompt": "blurry", "steps": STEPS, "guidance": 3.5}
+    resp = client.images.generate(model=model.id, prompt="a red bicycle", n=2, size=SIZE, response_format="b64_json",
+                                  extra_body={"seed": 11, **settings})
+    served = [base64.b64decode(d.b64_json) for d in resp.data]
+    lines = "".join(json.dumps({"prompt": "a red bicycle", "seed": s, **settings}) + "\n" for s in (11, 12))
+    (tmp_path / "p.jsonl").write_text(lines)
+    qic("run", bundle, "--prompts-file", tmp_path / "p.jsonl", "--output", tmp_path / "img.png")
+    written = [(tmp_path / f"img-{i:03d}.png").read_bytes() for i in range(2)]
+    assert served[0] == written[0] and served[1] == written[1]
+    assert served[0] != served[1]   # n=2 draws seeds 11 and 12: the comparison can tell images apart
+    meta = Image.open(io.BytesIO(served[1])).text
+    assert meta["seed"] == "12" and meta["negative_prompt"] == "blurry"
+    assert meta["resolution"] == "{}x{}".format(*TINY_RES)
+
+
+def test_burst_of_50_gets_images_or_429_and_memory_settles(server):
+    assert gen(server.port, seed=999)[0] == 200   # warm: the first run's allocations are part of "loaded"
+    post_load = server.rss_mib()
+    seeds = list(range(1000, 1050))
+    t = time.perf_counter()
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        results = list(pool.map(lambda s: gen(server.port, seed=s), seeds))
+    burst_s = time.perf_counter() - t
+    served = []
+    for seed, (status, headers, body) in zip(seeds, results):
+        assert status in (200, 429), (status, body)
+        if status == 429:
+            assert int(headers["retry-after"]) >= 1 and body["error"]["type"] == "rate_limit_error"
+        else:
+            assert len(body["data"]) == 1
+            served.append(int(Image.open(io.BytesIO(png_of(body))).text["seed"]))
+    ok = [s for s, (status, _, _) in zip(seeds, results) if status == 200]
+    assert served == ok   # every image is the one its request asked for: none lost, none duplicated
+    assert 0 < len(ok) < len(seeds)   # a queue of 4 both serves and refuses in a burst of 50
+    time.sleep(1.0)
+    after = server.rss_mib()
+    print(f"burst of {len(seeds)} in {burst_s:.2f} s: {len(ok)} images, {len(seeds) - len(ok)} x 429; "
+          f"RSS post-load {post_load:.0f} MiB, after the burst {after:.0f} MiB ({after / post_load - 1:+.1%})")
+    assert request(server.port, "GET", "/health")[0] == 200
+    assert after <= 1.10 * post_load
+
+
+BAD_REQUESTS = {
+    "not_json": (b"{prompt: 'a cat'", None),
+    "json_not_an_object": (b'["a cat"]', None),
+    "no_prompt": ({"n": 1}, "prompt"),
+    "empty_prompt": ({"prompt": ""}, "prompt"),
+    "prompt_not_a_string": ({"prompt": 42}, "prompt"),
+    "prompt_too_long": ({"prompt": "a red bicycle " * 200}, "prompt"),
+    "n_too_large": ({"prompt": "a cat", "n": 3}, "n"),
+    "n_zero": ({"prompt": "a cat", "n": 0}, "n"),
+    "n_a_string": ({"prompt": "a cat", "n": "2"}, "n"),
+    "unknown_size": ({"prompt": "a cat", "size": "1024x1024"}, "size"),
+    "size_not_a_size": ({"prompt": "a cat", "size": "big"}, "size"),
+    "response_format_url": ({"prompt": "a cat", "response_format": "url"}, "response_format"),
+    "steps_zero": ({"prompt": "a cat", "steps": 0}, "steps"),
+    "steps_a_float": ({"prompt": "a cat", "steps": 2.5}, "steps"),
+    "guidance_a_string": ({"prompt": "a cat", "guidance": "high"}, "guidance"),
+    "seed_negative": ({"prompt": "a cat", "seed": -1}, "seed"),
+    "unknown_key": ({"prompt": "a cat", "quality": "hd"}, "quality"),
+    "wrong_model": ({"prompt": "a cat", "model": "dall-e-3"}, "model"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=str)
+def test_bad_request_is_400_in_openai_shape(server, case):
+    body, param = BAD_REQUESTS[case]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, _, reply = request(server.port, "POST", "/v1/images/generations", raw=raw)
+    assert status == 400, reply
+    err = reply["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"], err
+    print(f"{case}: {err['message']}")
+
+
+def test_health_models_and_access_log(server):
+    status, _, health = request(server.port, "GET", "/health")
+    assert status == 200 and health["status"] == "ok"
+    status, _, models = request(server.port, "GET", "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == health["model"]
+    assert request(server.port, "GET", "/v1/nothing")[0] == 404
+    records = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+    images = [r for r in records if r["path"] == "/v1/images/generations" and r["status"] == 200]
+    assert images and all(r["total_s"] >= r["run_s"] > 0 and r["queue_s"] >= 0 for r in images)
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle, tmp_path):
+    srv = ServeProcess(bundle, tmp_path / "serve.log")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # Enough steps that the image is still being made when the signal arrives.
+            slow = pool.submit(gen, srv.port, seed=5, steps=30)
+            deadline = time.monotonic() + 30
+            while request(srv.port, "GET", "/health")[2]["running"] == 0:
+                assert time.monotonic() < deadline and not slow.done()
+                time.sleep(0.02)
+            srv.proc.send_signal(signal.SIGTERM)
+            status, _, body = slow.result(timeout=120)
+        assert status == 200 and Image.open(io.BytesIO(png_of(body))).text["steps"] == "30"
+        assert srv.proc.wait(60) == 0, srv.log_path.read_text()
+    finally:
+        srv.close()
+
+
+def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, tmp_path):
+    srv = ServeProcess(bundle_tp2, tmp_path / "serve.log", "--tp", 2)
+    try:
+        ranks = psutil.Process(srv.proc.pid).children()
+        assert len(ranks) >= 2   # the spawned ranks (and multiprocessing's helper, if any)
+        status, _, body = gen(srv.port, seed=4)
+        assert status == 200
+        qic("run", bundle_tp2, "--tp", 2, "--prompt", "a red bicycle", "--steps", STEPS, "--seed", 4,
+            "--output", tmp_path / "run.png")
+        assert png_of(body) == (tmp_path / "run.png").read_bytes()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.log_path.read_text()
+        psutil.wait_procs(ranks, timeout=10)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    finally:
+        srv.close()
+
+
+def test_server_imports_no_model_or_compiler_code():
+    code = """
+import sys
+import qic.serve.app, qic.serve.cli, qic.serve.runner
+print(sorted(m for m in sys.modules if m.startswith(("qic.models", "qic.build", "qic.backends.inductor",
+      "qic.backends.neuron", "torch._inductor", "torch._dynamo")) and m != "qic.backends.inductor_loader"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_serve_refusals_are_one_line(bundle):
+    proc = qic("serve", bundle, "--tp", "2", check=False)
+    assert proc.returncode == 2 and "built for tp=1" in proc.stderr and "Traceback" not in proc.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = qic("serve", bundle, "--port", taken.getsockname()[1], check=False)
+    assert proc.returncode == 2 and "cannot listen on 127.0.0.1:" in proc.stderr, proc.stderr
+
