@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
+
+EPS32 = torch.finfo(torch.float32).eps   # 2**-23; unit roundoff u = EPS32 / 2
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def fp32_reorder_bound(k: int, reductions: int, safety: float = 4.0) -> float:
+    """The rel-L2 by which two fp32 evaluations of the same math may differ when only the order of
+    summation differs (matmul blocking changes with sequence length, vector width, thread count,
+    fusion, a decomposition in export, a TP split).
+
+    A length-k sum of sign-mixed terms, reordered, moves by about sqrt(k) * u relative to its size
+    (k roundings of unit roundoff u = eps/2, random-walk); `reductions` such sums in sequence (each
+    matmul, attention score and weighting, norm) add in quadrature. `safety` covers the non-random
+    part of rounding and amplification by normalisations (softmax, RMSNorm). A wrong input or weight
+    moves results by 1e-2 or more, thousands of times this, so the bound still catches real errors.
+    """
+    return safety * (EPS32 / 2) * math.sqrt(k * reductions)
 
 
 def sensitize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
