@@ -24,7 +24,7 @@ def fp32_reorder_bound(k: int, reductions: int, safety: float = 4.0) -> float:
     (k roundings of unit roundoff u = eps/2, random-walk); `reductions` such sums in sequence (each
     matmul, attention score and weighting, norm) add in quadrature. `safety` covers the non-random
     part of rounding and amplification by normalisations (softmax, RMSNorm). A wrong input or weight
-    moves results by 1e-2 or more, thousands of times this, so the bound still catches real errors.
+    moves results by 1e-2 or more, hundreds of times this, so the bound still catches real errors.
     """
     return safety * (EPS32 / 2) * math.sqrt(k * reductions)
 
