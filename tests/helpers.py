@@ -49,3 +49,21 @@ def sensitize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     return module
+
+
+def text_encoder_bound(name: str) -> float:
+    """fp32 reordering bound for a preset's text encoder: per layer six reductions (q/k/v, scores,
+    weighting, output projection, gate/up, down), each at most max(hidden, intermediate) long.
+    About 9e-6 for tiny and 1.3e-5 for tiny-alt."""
+    from qic.checkpoint.presets import preset
+    cfg = preset(name)["text_encoder"]
+    return fp32_reorder_bound(max(cfg["hidden_size"], cfg["intermediate_size"]), 6 * cfg["num_hidden_layers"])
+
+
+def mmdit_bound(name: str) -> float:
+    """fp32 reordering bound for a preset's denoiser: per block about eight reductions (modulation,
+    q/k/v, scores, weighting, output, MLP up and down), each at most the MLP width (4 x inner dim)
+    long; plus the embeddings and the output layer. About 2.9e-5 for tiny."""
+    from qic.checkpoint.presets import preset
+    c = preset(name)["transformer"]
+    return fp32_reorder_bound(4 * c["num_attention_heads"] * c["attention_head_dim"], 8 * c["num_layers"] + 4)

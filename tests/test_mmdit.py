@@ -13,18 +13,10 @@ from qic.errors import CheckpointError, ConfigError
 from qic.models.common import load_weights
 from qic.models.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict, rope_tables
 from qic.models.step import DenoiseStep
-from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
+from tests.helpers import mmdit_bound, rel_l2, sensitize_
 
 
-def _tol(name: str) -> float:
-    """fp32 reordering bound (tests/helpers.py): per block about eight reductions (modulation, q/k/v, scores,
-    weighting, output, MLP up and down), each at most the MLP width (4 x inner dim) long; plus the
-    embeddings and the output layer. About 2.9e-5 for tiny."""
-    c = preset(name)["transformer"]
-    return fp32_reorder_bound(4 * c["num_attention_heads"] * c["attention_head_dim"], 8 * c["num_layers"] + 4)
-
-
-TOL = max(_tol("tiny"), _tol("tiny-alt"))
+TOL = max(mmdit_bound("tiny"), mmdit_bound("tiny-alt"))  # fp32 summation-order bound, ~2.9e-5
 # Non-square packed grids (rows, cols), odd sizes included: the centred RoPE rows differ for odd/even.
 GRIDS = {"tiny": (3, 5), "tiny-alt": (4, 2)}
 

@@ -17,7 +17,7 @@ from qic.models.text_encoder import (
     text_encoder_state_dict,
     text_encoder_tensor_name,
 )
-from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
+from tests.helpers import rel_l2, sensitize_, text_encoder_bound
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,14 +61,6 @@ def pair(request):
     return request.param, ref, _qic_from(ref, request.param)
 
 
-def _bound(name: str) -> float:
-    """fp32 results of two summation orders (tests/helpers.py): per layer six reductions (q/k/v, scores,
-    weighting, output projection, gate/up, down), each at most max(hidden, intermediate) long.
-    About 9e-6 for tiny and 1.3e-5 for tiny-alt; a wrong RoPE theta or token gives > 1e-2."""
-    cfg = preset(name)["text_encoder"]
-    return fp32_reorder_bound(max(cfg["hidden_size"], cfg["intermediate_size"]), 6 * cfg["num_hidden_layers"])
-
-
 # Right padding is the convention; there the key mask cannot touch valid tokens (causality hides the
 # padding). Left padding is what exercises the key-padding mask: transformers 5 also gives text-only input
 # positions 0..L-1 whatever the mask, so it is comparable (transformers 4.x would shift positions there).
@@ -85,7 +77,7 @@ def test_matches_transformers(pair, padded):
     assert want[valid].std() > 0.1 and want[valid].abs().mean() > 0.1
     assert (want[0, 1:] - want[0, :-1]).abs().mean() > 0.1  # not constant along the sequence
     err = rel_l2(got[valid], want[valid])
-    assert err <= _bound(name), f"{name}: rel-L2 {err:.3g}"
+    assert err <= text_encoder_bound(name), f"{name}: rel-L2 {err:.3g}"
     assert torch.isfinite(got).all()  # padded rows too
 
 
@@ -96,7 +88,7 @@ def test_matches_transformers_eager_attention():
     module = _qic_from(ref, "tiny-alt")
     ids, mask = _inputs(preset("tiny-alt")["text_encoder"]["vocab_size"], padded=True)
     valid = mask.bool()
-    assert rel_l2(module(ids, mask)[valid], _ref_hidden(ref, ids, mask)[valid]) <= _bound("tiny-alt")
+    assert rel_l2(module(ids, mask)[valid], _ref_hidden(ref, ids, mask)[valid]) <= text_encoder_bound("tiny-alt")
 
 
 @torch.no_grad()
@@ -127,7 +119,7 @@ def test_right_padding_leaves_valid_tokens_exact(pair):
     padded = module(ids[1:], mask[1:])
     # Same math, but the sequence length changes how the matmuls are blocked: a reordering bound
     # (measured 1.09e-6 for tiny-alt on one machine, above the former fixed 1e-6).
-    assert rel_l2(padded[0, :VALID_LEN], short[0]) <= _bound(name)
+    assert rel_l2(padded[0, :VALID_LEN], short[0]) <= text_encoder_bound(name)
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -264,7 +256,7 @@ def test_export_matches_eager_and_has_no_complex():
             if isinstance(v, torch.Tensor):
                 assert not v.dtype.is_complex, f"complex tensor at {node.name}"
     eager = module(ids, mask)
-    assert rel_l2(ep.module()(ids, mask), eager) <= _bound(name)  # export may decompose and reorder
+    assert rel_l2(ep.module()(ids, mask), eager) <= text_encoder_bound(name)  # export may decompose and reorder
     # Re-running the exported program on other ids (same shapes) follows eager too: nothing was baked in.
     ids2, mask2 = _inputs(preset(name)["text_encoder"]["vocab_size"], padded=False, seed=1)
-    assert rel_l2(ep.module()(ids2, mask2), module(ids2, mask2)) <= _bound(name)
+    assert rel_l2(ep.module()(ids2, mask2), module(ids2, mask2)) <= text_encoder_bound(name)
