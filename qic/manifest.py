@@ -83,7 +83,8 @@ def verify_files(bundle: Path, manifest: dict, progress=None, cache=None, full: 
             raise BundleError(f"{bundle}: missing file {rel}")
         st = p.stat()
         remember = cache is not None and rel in weights
-        if st.st_size == entry["bytes"] and remember and not full and cache.has(manifest["id"], rel, entry["sha256"], st):
+        recorded = remember and not full and cache.has(manifest["id"], rel, entry["sha256"], st)
+        if st.st_size == entry["bytes"] and recorded:
             trusted += 1
         else:
             began = time.time_ns()

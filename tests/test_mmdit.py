@@ -15,7 +15,6 @@ from qic.models.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict, rope_tabl
 from qic.models.step import DenoiseStep
 from tests.helpers import mmdit_bound, rel_l2, sensitize_
 
-
 TOL = max(mmdit_bound("tiny"), mmdit_bound("tiny-alt"))  # fp32 summation-order bound, ~2.9e-5
 # Non-square packed grids (rows, cols), odd sizes included: the centred RoPE rows differ for odd/even.
 GRIDS = {"tiny": (3, 5), "tiny-alt": (4, 2)}

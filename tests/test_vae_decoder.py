@@ -16,6 +16,7 @@ from qic.host.latents import unpack
 from qic.models.common import load_weights
 from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
+
 SIZES = {"tiny": (48, 80), "tiny-alt": (40, 24)}  # (height, width), non-square on purpose
 # sensitize_ alone drives the tiny VAE's pre-clamp output to std ~1.2, so ~39% of pixels sit on the
 # +-1 clamp, where no difference can show. Shrinking the last conv keeps nearly all pixels inside.
