@@ -60,11 +60,13 @@ def build(config, model, backend, device, tp, resolutions, text_buckets, compone
 
 @main.command()
 @click.argument("bundle", type=click.Path())
+@click.option("--verify", is_flag=True,
+              help="Re-hash every weight file, not only those changed since they were last verified.")
 @_friendly
-def inspect(bundle):
-    """Print a bundle's manifest and verify every file's hash."""
+def inspect(bundle, verify):
+    """Print a bundle's manifest and check every file's hash."""
     from qic.cli_inspect import run_inspect
-    run_inspect(bundle)
+    run_inspect(bundle, full=verify)
 
 
 @main.command()
@@ -85,6 +87,8 @@ def inspect(bundle):
               help="Where to run (default: the bundle's): cpu | cuda for inductor bundles; "
                    "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
+@click.option("--verify-all", is_flag=True,
+              help="Re-hash every weight file, not only those changed since they were last verified.")
 @_friendly
 def run(bundle, **options):
     """Generate images with a built bundle."""

@@ -1,4 +1,4 @@
-"""`qic inspect BUNDLE`: the manifest in a readable form, and every file's hash verified."""
+"""`qic inspect BUNDLE`: the manifest in a readable form, and every file's hash checked (--verify: re-hashed)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 from qic.manifest import check_compatible, read_manifest, verify_files
+from qic.verified import VerificationCache
 
 
-def run_inspect(bundle: str) -> None:
+def run_inspect(bundle: str, full: bool = False) -> None:
     import torch
 
     from qic import __version__
@@ -40,8 +41,10 @@ def run_inspect(bundle: str) -> None:
                     "yes" if g["neff"] else "no"]
         table.add_row(*row)
     out.print(table)
-    verify_files(path, manifest)
-    out.print(f"verified {len(manifest['files'])} files: all hashes match")
+    trusted = verify_files(path, manifest, cache=VerificationCache(), full=full)
+    note = (f" ({trusted} unchanged weight file(s) by their recorded hash; --verify re-hashes them)"
+            if trusted else " (every file hashed)")
+    out.print(f"verified {len(manifest['files'])} files: all hashes match{note}")
     try:
         check_compatible(manifest, __version__, torch.__version__)
         out.print("compatible with this qic and torch")

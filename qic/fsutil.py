@@ -43,6 +43,13 @@ def write_json_atomic(path: Path, obj) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def make_temp_dir(final: Path) -> Path:
+    """A new `.tmp-<final>-<pid>-<random>` directory beside `final` (mkdtemp's random part has no '-')."""
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=leftover_name(".tmp", final.name, "")))
+    public_mode(tmp, directory=True)
+    return tmp
+
+
 @contextlib.contextmanager
 def staging_dir(final: Path):
     """Yield a temp directory beside `final`; on success it is renamed into place atomically.
@@ -53,8 +60,7 @@ def staging_dir(final: Path):
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-{os.getpid()}-"))
-    public_mode(tmp, directory=True)
+    tmp = make_temp_dir(final)
     try:
         yield tmp
         try:
@@ -73,11 +79,16 @@ def replace_dir(staged: Path, final: Path) -> None:
     final = Path(final)
     old = None
     if final.exists():
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        old = final.with_name(leftover_name(".old", final.name, "replaced"))
         os.rename(final, old)
     os.rename(staged, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def leftover_name(kind: str, name: str, tag: str) -> str:
+    """`<kind>-<name>-<pid>-<tag>` (kind .tmp or .old; tag without '-'): what sweep_stale parses."""
+    return f"{kind}-{name}-{os.getpid()}-{tag}"
 
 
 @contextlib.contextmanager
@@ -93,13 +104,20 @@ def file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def sweep_stale(directory: Path) -> None:
-    """Remove temp directories left by killed writers (their pid is gone); live writers' stay."""
-    for p in Path(directory).glob(".tmp-*"):
+def sweep_stale(directory: Path, name: str | None = None) -> None:
+    """Remove what killed writers left in `directory`: temp, damaged and replaced `.old` directories
+    named by `leftover_name` (only those of entry `name`, if given). Live processes' leftovers stay."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        kind, _, rest = p.name.partition("-")
         try:
-            pid = int(p.name.rsplit("-", 2)[-2])
-            os.kill(pid, 0)
-        except (ValueError, IndexError):
+            entry, pid, _tag = rest.rsplit("-", 2)
+            if kind not in (".tmp", ".old") or (name is not None and entry != name):
+                continue
+            os.kill(int(pid), 0)
+        except ValueError:
             continue
         except ProcessLookupError:
             shutil.rmtree(p, ignore_errors=True)

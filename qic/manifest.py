@@ -2,13 +2,15 @@
 
 A bundle is trusted for matching, never for existing: every file it names carries a sha256, the
 manifest itself carries a content hash (the bundle id), and the runtime checks all of it before any
-compiled code is loaded.
+compiled code is loaded (weight files by a remembered hash while their identity is unchanged, see
+qic/verified.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from qic.errors import BundleError
@@ -58,23 +60,46 @@ def read_manifest(bundle: Path) -> dict:
     return manifest
 
 
-def verify_files(bundle: Path, manifest: dict, progress=None) -> None:
-    """Hash every file the manifest names; refuse on any mismatch, missing or extra compiled file."""
+def weight_files(manifest: dict) -> set[str]:
+    """The bundle's weight shards: the only files whose verification may be remembered between loads."""
+    return {rel for g in manifest.get("graphs", []) for rel in g["weights"]}
+
+
+def verify_files(bundle: Path, manifest: dict, progress=None, cache=None, full: bool = False) -> int:
+    """Check every file the manifest names; refuse on any mismatch, missing or extra file.
+
+    Compiled code, constants and tokenizer files are hashed every time. A weight file is skipped only
+    when `cache` (a qic.verified.VerificationCache) holds a record of it hashing to its manifest sha256
+    with the identity it has now; `full` hashes all of them regardless. Files hashed here are recorded.
+    Returns how many weight files were trusted from records.
+    """
     bundle = Path(bundle)
     files = manifest.get("files", {})
+    weights = weight_files(manifest)
+    trusted = 0
     for rel, entry in files.items():
         p = bundle / rel
         if not p.is_file():
             raise BundleError(f"{bundle}: missing file {rel}")
-        if p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
-            raise BundleError(f"{bundle}: {rel} does not match its sha256 in the manifest (tampered or damaged)",
-                              "rebuild the bundle")
+        st = p.stat()
+        remember = cache is not None and rel in weights
+        recorded = remember and not full and cache.has(manifest["id"], rel, entry["sha256"], st)
+        if st.st_size == entry["bytes"] and recorded:
+            trusted += 1
+        else:
+            began = time.time_ns()
+            if st.st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
+                raise BundleError(f"{bundle}: {rel} does not match its sha256 in the manifest (tampered or damaged)",
+                                  "rebuild the bundle")
+            if remember:
+                cache.record(manifest["id"], rel, entry["sha256"], p, st, began)
         if progress:
             progress(rel)
     for p in bundle.rglob("*"):
         rel = p.relative_to(bundle).as_posix()
         if p.is_file() and rel != MANIFEST and rel not in files:
             raise BundleError(f"{bundle}: unlisted file {rel} in the bundle")
+    return trusted
 
 
 def check_compatible(manifest: dict, qic_version: str, torch_version: str) -> None:

@@ -47,6 +47,14 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("qic")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def verify_cache(tmp_path_factory) -> Path:
+    """The weight-verification records (qic/verified.py) of this session, not the user's ~/.cache."""
+    path = tmp_path_factory.mktemp("verified")
+    os.environ["QIC_VERIFY_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def cache_dir(workdir) -> Path:
     return workdir / "cache"

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
+
+EPS32 = torch.finfo(torch.float32).eps   # 2**-23; unit roundoff u = EPS32 / 2
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def fp32_reorder_bound(k: int, reductions: int, safety: float = 4.0) -> float:
+    """The rel-L2 by which two fp32 evaluations of the same math may differ when only the order of
+    summation differs (matmul blocking changes with sequence length, vector width, thread count,
+    fusion, a decomposition in export, a TP split).
+
+    A length-k sum of sign-mixed terms, reordered, moves by about sqrt(k) * u relative to its size
+    (k roundings of unit roundoff u = eps/2, random-walk); `reductions` such sums in sequence (each
+    matmul, attention score and weighting, norm) add in quadrature. `safety` covers the non-random
+    part of rounding and amplification by normalisations (softmax, RMSNorm). A wrong input or weight
+    moves results by 1e-2 or more, hundreds of times this, so the bound still catches real errors.
+    """
+    return safety * (EPS32 / 2) * math.sqrt(k * reductions)
 
 
 def sensitize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -32,3 +49,21 @@ def sensitize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     return module
+
+
+def text_encoder_bound(name: str) -> float:
+    """fp32 reordering bound for a preset's text encoder: per layer six reductions (q/k/v, scores,
+    weighting, output projection, gate/up, down), each at most max(hidden, intermediate) long.
+    About 9e-6 for tiny and 1.3e-5 for tiny-alt."""
+    from qic.checkpoint.presets import preset
+    cfg = preset(name)["text_encoder"]
+    return fp32_reorder_bound(max(cfg["hidden_size"], cfg["intermediate_size"]), 6 * cfg["num_hidden_layers"])
+
+
+def mmdit_bound(name: str) -> float:
+    """fp32 reordering bound for a preset's denoiser: per block about eight reductions (modulation,
+    q/k/v, scores, weighting, output, MLP up and down), each at most the MLP width (4 x inner dim)
+    long; plus the embeddings and the output layer. About 2.9e-5 for tiny."""
+    from qic.checkpoint.presets import preset
+    c = preset(name)["transformer"]
+    return fp32_reorder_bound(4 * c["num_attention_heads"] * c["attention_head_dim"], 8 * c["num_layers"] + 4)

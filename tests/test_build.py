@@ -131,16 +131,18 @@ def test_sigkill_while_sharding_then_rerun(tmp_path, tiny_ckpt):
     assert not list((cache / "shards").glob(".tmp-*"))  # the killed writer's leftovers were swept
 
 
-def test_sigkill_while_compiling_then_rerun(tmp_path, tiny_ckpt, cache_dir):
+def test_sigkill_while_compiling_then_rerun(tmp_path, tiny_ckpt):
     cache, out = tmp_path / "cache", tmp_path / "bundle"
-    shutil.copytree(cache_dir / "shards", cache / "shards")  # reuse stage 1; the compile starts from nothing
     args = ("--resolution", "16x16", "--components", "vae_decoder")
     proc = subprocess.Popen(_build_cmd(tiny_ckpt, cache, out, *args), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _kill_when(proc, lambda: any((cache / "graphs").glob(".tmp-*")) and time.sleep(3) is None)
+    # The staging directory exists from the start of the compile until its result is renamed into
+    # place, so killing as soon as it appears kills a compile in progress, however fast the machine.
+    _kill_when(proc, lambda: any((cache / "graphs").glob(".tmp-*")))
     assert not out.exists()
     assert not [p for p in (cache / "graphs").iterdir() if not p.name.startswith(".tmp-")]
     qic("build", "--model", tiny_ckpt, "--cache-dir", cache, "--output", out, *args)
+    assert not list((cache / "graphs").glob(".tmp-*"))  # the killed compile's staging dir was swept
     verify_files(out, read_manifest(out))
     from qic.runtime.bundle import Bundle
     b = Bundle(out)
@@ -148,18 +150,67 @@ def test_sigkill_while_compiling_then_rerun(tmp_path, tiny_ckpt, cache_dir):
     assert image.shape == (1, 3, 16, 16) and torch.isfinite(image).all()
 
 
-def test_two_concurrent_builds_share_a_cache(tmp_path, tiny_ckpt, cache_dir):
+_KILLED_AT = """
+import os, signal, sys
+from pathlib import Path
+import {module} as m
+real = m.{name}
+def killed(*a, **k):
+    if {condition}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+m.{name} = killed
+from qic.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _build_killed_at(module: str, name: str, condition: str, *args) -> None:
+    """Run `qic build ARGS` in a process that SIGKILLs itself when `module.name` is called (and
+    `condition`, over its arguments `a`, holds): a kill at an exact point, with no timing involved."""
+    code = _KILLED_AT.format(module=module, name=name, condition=condition)
+    proc = subprocess.run([QIC[0], "-c", code, "build", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def test_sigkill_while_writing_the_bundle_then_rerun(bundle, tmp_path, tiny_ckpt, cache_dir):
+    out = tmp_path / "b"
+    args = ("--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
+            "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)))
+    # Killed while hashing the staged files (the manifest not yet written): no bundle, a temp dir beside it.
+    _build_killed_at("qic.build.bundle", "file_entry", "True", *args)
+    assert not out.exists() and list(tmp_path.glob(".tmp-b-*"))
+    qic("build", *args)
+    verify_files(out, read_manifest(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # the killed build's temp dir was swept
+    # Killed after swapping a new bundle in, before removing the old one: the new one is whole.
+    (out / "manifest.json").write_text("{}")  # so the next build rewrites the bundle
+    _build_killed_at("shutil", "rmtree", "Path(a[0]).name.startswith('.old-')", *args)
+    assert list(tmp_path.glob(".old-b-*"))
+    verify_files(out, read_manifest(out))
+    assert "bundle unchanged" in qic("build", *args).stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # the replaced bundle was swept
+
+
+def test_two_concurrent_builds_share_a_cache(tmp_path, tiny_ckpt):
     cache = tmp_path / "cache"
-    shutil.copytree(cache_dir / "shards", cache / "shards")
     args = ("--resolution", "32x16", "--components", "vae_decoder")
     procs = [subprocess.Popen(_build_cmd(tiny_ckpt, cache, tmp_path / f"b{i}", *args), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
     for p in procs:
-        _, err = p.communicate(timeout=600)
+        out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err
+        assert "Warning" not in err, err   # no library noise in the build log (torch's LeafSpec notice)
+        outs.append(out)
     m0, m1 = read_manifest(tmp_path / "b0"), read_manifest(tmp_path / "b1")
     assert m0["files"] == m1["files"] and m0["build_key"] == m1["build_key"]
-    assert len(list((cache / "graphs").iterdir())) == 1  # one artifact, compiled once or deduplicated
+    assert len(list((cache / "graphs").iterdir())) == 1
+    # Both start together and a compile takes far longer than a process start, so both reach the graph
+    # at once: the lock makes one compile and the other wait and take the cached result. Without the
+    # lock both would compile (and both report "built").
+    results = sorted(_rows(o)["vae_decoder@32x16"] for o in outs)
+    assert results == ["built", "cached"], outs
 
 
 # ---------------------------------------------------------------------------------------- bad input

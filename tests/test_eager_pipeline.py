@@ -6,7 +6,11 @@ from qic.build.eager import EagerModel
 from qic.runtime.generate import Request, generate
 from tests.conftest import diffusers_image, image_diff
 
-BOUND = 2.0  # max-abs, 0..255 pixel units
+# Max-abs in 0..255 pixel units. The fp32 pipelines agree to ~1e-5 relative (summation order), far
+# below one level (1/255 of the [-1, 1] range / 2 = 2e-3), so a pixel differs only where a value sits
+# within that of a rounding boundary: by one level, two where guidance amplifies it. Such pixels are
+# rare, hence mean < 0.05. A wrong prompt, seed or guidance moves pixels by tens of levels.
+BOUND = 2.0
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-alt"])

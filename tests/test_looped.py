@@ -25,11 +25,15 @@ from qic.models.looped import (
 from qic.models.mmdit import MMDiTConfig, QwenMMDiT, rope_tables
 from qic.models.step import DenoiseStep
 from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig
-from tests.helpers import rel_l2, sensitize_
+from tests.helpers import mmdit_bound, rel_l2, sensitize_, text_encoder_bound
 
-TOL = 1e-6           # eager and exported: the same arithmetic, one layer at a time
-COMPILED_TOL = 1e-5  # AOTInductor vs eager (fuses and reorders fp32 reductions; measured 8e-7 here)
+# Looped and unrolled, eager or exported, do the same arithmetic one layer at a time, but a stacked
+# weight's slice and a fused or decomposed op may be summed in another order: the fp32 reordering
+# bounds of the two models (tests/helpers.py, about 3e-5). AOTInductor fuses and reorders reductions
+# too (measured 8e-7 here). Wrong layer orders and hooks move results by far more than 100x these.
 GRIDS = {"tiny": (3, 5), "tiny-alt": (4, 2)}
+TOL = max(*(mmdit_bound(n) for n in GRIDS), *(text_encoder_bound(n) for n in GRIDS))
+COMPILED_TOL = TOL
 
 
 def _denoiser_pair(name):
@@ -140,7 +144,7 @@ def test_looped_mmdit_matches_unrolled(denoisers):
         base = looped(x, e, None, t, cos, sin)
         flipped = {k: (v.flip(0) if ".stacked." in k else v) for k, v in looped.state_dict().items()}
         moved = torch.func.functional_call(looped, flipped, (x, e, None, t, cos, sin))
-        assert rel_l2(moved, base) > 1e3 * TOL
+        assert rel_l2(moved, base) > 100 * TOL
 
 
 def test_looped_step_matches_unrolled(denoisers):
@@ -195,7 +199,7 @@ def test_row_linear_reduce_runs_in_the_loop():
                 del m.reduce
         plain = looped(x, e, mask, t, cos, sin)
     assert rel_l2(got, want) <= TOL
-    assert rel_l2(plain, want) > 1e3 * TOL  # the hook did change the result
+    assert rel_l2(plain, want) > 100 * TOL  # the hook did change the result
 
 
 # ------------------------------------------------------------------------------------------ export / compile
@@ -241,7 +245,7 @@ def test_export_looped_step_graph():
         moved = program.module()(tuple(args), other)
         want = torch.func.functional_call(module, dict(zip(names, other)), tuple(args))
         assert rel_l2(moved - latents, want - latents) <= TOL
-        assert rel_l2(moved - latents, got - latents) > 1e3 * TOL
+        assert rel_l2(moved - latents, got - latents) > 100 * TOL
 
 
 def test_aot_compiled_looped_text_encoder(tmp_path):
@@ -267,4 +271,4 @@ def test_aot_compiled_looped_text_encoder(tmp_path):
         run_flipped = load_graph("inductor", tmp_path / "graph.pt2", flipped, "cpu")
         want_flipped = torch.func.functional_call(looped, dict(zip(names, flipped)), (ids, mask))
         assert rel_l2(run_flipped([ids, mask])[0], want_flipped) <= COMPILED_TOL
-        assert rel_l2(want_flipped, want) > 1e3 * COMPILED_TOL
+        assert rel_l2(want_flipped, want) > 100 * COMPILED_TOL

@@ -30,8 +30,15 @@ def test_hub_id_resolves_offline_from_the_local_hub_cache(tmp_path, tiny_ckpt, m
     ckpt = resolve_model("Qwen/Qwen-Image", tmp_path / "cache")
     assert ckpt.root.resolve() == snap.resolve() and ckpt.model_id == "Qwen/Qwen-Image"
     assert ckpt.config("transformer")["_class_name"] == "QwenImageTransformer2DModel"
-    with pytest.raises(CheckpointError, match="Qwen/Qwen-Image-2512: not in the local hub cache and HF_HUB_OFFLINE"):
+    missing = "Qwen/Qwen-Image-2512: not in the local hub cache and HF_HUB_OFFLINE"
+    with pytest.raises(CheckpointError, match=missing) as e:
         resolve_model("Qwen/Qwen-Image-2512", tmp_path / "cache")
+    # The fix names a command the installed huggingface-hub ships (2.x has `hf`, not `huggingface-cli`).
+    from importlib.metadata import entry_points
+    command = e.value.hint.split("(")[1].split()[0]
+    shipped = {ep.name for ep in entry_points(group="console_scripts") if ep.value.startswith("huggingface_hub")}
+    assert command in shipped
+    assert "hf download Qwen/Qwen-Image-2512" in e.value.hint
 
 
 def test_local_directory_and_embedded(tmp_path, tiny_ckpt):

@@ -17,7 +17,7 @@ from qic.models.text_encoder import (
     text_encoder_state_dict,
     text_encoder_tensor_name,
 )
-from tests.helpers import rel_l2, sensitize_
+from tests.helpers import rel_l2, sensitize_, text_encoder_bound
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,7 +77,7 @@ def test_matches_transformers(pair, padded):
     assert want[valid].std() > 0.1 and want[valid].abs().mean() > 0.1
     assert (want[0, 1:] - want[0, :-1]).abs().mean() > 0.1  # not constant along the sequence
     err = rel_l2(got[valid], want[valid])
-    assert err <= 1e-5, f"{name}: rel-L2 {err:.3g}"
+    assert err <= text_encoder_bound(name), f"{name}: rel-L2 {err:.3g}"
     assert torch.isfinite(got).all()  # padded rows too
 
 
@@ -88,7 +88,7 @@ def test_matches_transformers_eager_attention():
     module = _qic_from(ref, "tiny-alt")
     ids, mask = _inputs(preset("tiny-alt")["text_encoder"]["vocab_size"], padded=True)
     valid = mask.bool()
-    assert rel_l2(module(ids, mask)[valid], _ref_hidden(ref, ids, mask)[valid]) <= 1e-5
+    assert rel_l2(module(ids, mask)[valid], _ref_hidden(ref, ids, mask)[valid]) <= text_encoder_bound("tiny-alt")
 
 
 @torch.no_grad()
@@ -117,7 +117,9 @@ def test_right_padding_leaves_valid_tokens_exact(pair):
     ids, mask = _inputs(preset(name)["text_encoder"]["vocab_size"], padded=True)
     short = module(ids[1:, :VALID_LEN], torch.ones(1, VALID_LEN, dtype=torch.long))
     padded = module(ids[1:], mask[1:])
-    assert rel_l2(padded[0, :VALID_LEN], short[0]) <= 1e-6
+    # Same math, but the sequence length changes how the matmuls are blocked: a reordering bound
+    # (measured 1.09e-6 for tiny-alt on one machine, above the former fixed 1e-6).
+    assert rel_l2(padded[0, :VALID_LEN], short[0]) <= text_encoder_bound(name)
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -254,7 +256,7 @@ def test_export_matches_eager_and_has_no_complex():
             if isinstance(v, torch.Tensor):
                 assert not v.dtype.is_complex, f"complex tensor at {node.name}"
     eager = module(ids, mask)
-    assert rel_l2(ep.module()(ids, mask), eager) <= 1e-6
+    assert rel_l2(ep.module()(ids, mask), eager) <= text_encoder_bound(name)  # export may decompose and reorder
     # Re-running the exported program on other ids (same shapes) follows eager too: nothing was baked in.
     ids2, mask2 = _inputs(preset(name)["text_encoder"]["vocab_size"], padded=False, seed=1)
-    assert rel_l2(ep.module()(ids2, mask2), module(ids2, mask2)) <= 1e-6
+    assert rel_l2(ep.module()(ids2, mask2), module(ids2, mask2)) <= text_encoder_bound(name)

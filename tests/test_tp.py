@@ -35,7 +35,12 @@ from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig
 from qic.parallel import tp as T
 from tests.helpers import rel_l2, sensitize_
 
-COS_MIN = 0.99999
+# TP splits each row-parallel matmul into per-rank partial sums plus an all-reduce: the same math summed
+# in another order, so TP=1 and TP=N differ by the fp32 reordering bound (tests/helpers.py: about 3e-5
+# for the tiny denoiser, 6e-5 for the tiny VAE, where rank threads change conv blocking). REL_MAX sits
+# above those; a skipped reduction or an unsharded stream gives > 1e-2 (test_broken_tp_variants_...).
+REL_MAX = 1e-4
+COS_MIN = 0.99999   # implied by REL_MAX (1 - cos ~ rel^2 / 2); kept as the figure reports it
 FOLDERS = {"text_encoder": "text_encoder", "denoiser": "transformer", "vae_decoder": "vae"}
 VAE_RES = (48, 80)
 GRID = (3, 5)          # packed latent grid of 48x80 (VAE scale 8, 2x2 packing)
@@ -382,7 +387,7 @@ def test_tp_matches_tp1(eager_run, reference):
             out = res["out"][comp]
             c, e = cosine(out, ref), rel_l2(out, ref)
             FIGURES[f"{comp} tp={tp} rank{r}"] = f"cos {c:.9f} (1-cos {1 - c:.1e}) rel-L2 {e:.2e}"
-            assert c >= COS_MIN and e < 1e-4, (comp, tp, r, c, e)
+            assert c >= COS_MIN and e < REL_MAX, (comp, tp, r, c, e)
         for r, res in enumerate(results[1:], 1):
             assert torch.equal(res["out"][comp], results[0]["out"][comp]), (comp, tp, r)
     # the VAE is replicated: every rank computes the same image as TP=1
@@ -391,7 +396,7 @@ def test_tp_matches_tp1(eager_run, reference):
         diff = float((out - reference["vae_decoder"]).abs().max())
         FIGURES[f"vae_decoder tp={tp} rank{r}"] = f"max |diff| {diff:.1e}"
         assert torch.equal(out, results[0]["out"]["vae_decoder"])
-        assert torch.allclose(out, reference["vae_decoder"], rtol=0, atol=1e-6)
+        assert rel_l2(out, reference["vae_decoder"]) < REL_MAX
 
 
 def test_module_built_for_another_tp_is_refused(eager_run):
@@ -439,7 +444,7 @@ def test_compiled_tp_graph_one_artifact_for_all_ranks(compiled_run, reference):
     for r, res in enumerate((r0, r1)):
         c, e = cosine(res["out"], ref), rel_l2(res["out"], ref)
         FIGURES[f"compiled text_encoder tp=2 rank{r}"] = f"cos {c:.9f} (1-cos {1 - c:.1e}) rel-L2 {e:.2e}"
-        assert c >= COS_MIN and e < 1e-4 and res["repeat_equal"], (r, c, e)
+        assert c >= COS_MIN and e < REL_MAX and res["repeat_equal"], (r, c, e)
     assert torch.equal(r0["out"], r1["out"])
 
 

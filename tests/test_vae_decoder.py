@@ -15,9 +15,8 @@ from qic.host.latents import pack as pack_latents
 from qic.host.latents import unpack
 from qic.models.common import load_weights
 from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
-from tests.helpers import rel_l2, sensitize_
+from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
 
-BOUND = 1e-5
 SIZES = {"tiny": (48, 80), "tiny-alt": (40, 24)}  # (height, width), non-square on purpose
 # sensitize_ alone drives the tiny VAE's pre-clamp output to std ~1.2, so ~39% of pixels sit on the
 # +-1 clamp, where no difference can show. Shrinking the last conv keeps nearly all pixels inside.
@@ -35,6 +34,11 @@ class Case:
             ref.decoder.conv_out.weight.mul_(CONV_OUT_SCALE)
             ref.decoder.conv_out.bias.mul_(CONV_OUT_SCALE)
         self.ref = ref
+        # fp32 reordering bound (tests/helpers.py): one reduction per conv (plus the attention), each at
+        # most the largest conv's fan-in (3x3x3 x channels) long. About 6e-5 for tiny (measured ~1.5e-6);
+        # a 1% error in one channel's latent std already moves the image by 1e-2.
+        convs = [m for m in ref.decoder.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+        self.bound = fp32_reorder_bound(max(m.weight[0].numel() for m in convs), len(convs) + 2)
         self.cfg = VAEConfig.from_dict(self.cfg_dict)
         self.model = self.build(self.cfg)
         sf = self.cfg.scale_factor
@@ -77,7 +81,7 @@ def test_parity_with_diffusers(case):
     assert (ref.abs() == 1).float().mean() < 0.05
     err = rel_l2(out, ref)
     print(f"{case.name}: rel-L2 {err:.2e}")
-    assert err <= BOUND
+    assert err <= case.bound
 
 
 def test_parity_check_can_fail(case):
@@ -96,7 +100,7 @@ def test_parity_check_can_fail(case):
     for label, out in [("other latents", other_latents), ("std +1%", skewed), ("divide by std", divided)]:
         err = rel_l2(out, ref)
         print(f"{case.name}: {label} rel-L2 {err:.2e}")
-        assert err > 100 * BOUND, label
+        assert err > 100 * case.bound, label
 
 
 def test_time_conv_is_unused_at_one_frame(case):
@@ -181,7 +185,7 @@ def test_export(case):
         eager = case.model(packed)
         ep = torch.export.export(case.model, (packed,))
         exported = ep.module()(packed)
-    assert rel_l2(exported, eager) <= 1e-6
+    assert rel_l2(exported, eager) <= case.bound  # export may decompose and reorder
     for node in ep.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):

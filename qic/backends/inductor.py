@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,7 +42,12 @@ class InductorBackend(Backend):
 
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "graph.pt2"
-        aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS))
+        with warnings.catch_warnings():
+            # Inductor deep-copies the graph, constructing torch's own deprecated pytree LeafSpec: a
+            # notice to torch's developers that tells a qic user nothing. Only that one is silenced.
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS))
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         baked = loader.get_constant_fqns()
         if baked:  # a weight-dependent constant would silently pin one checkpoint's values

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from qic import __version__
-from qic.fsutil import link_or_copy, public_mode, replace_dir
+from qic.fsutil import link_or_copy, make_temp_dir, replace_dir, sweep_stale
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.manifest import MANIFEST, file_entry, finalize
 
@@ -31,11 +30,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_con
 def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bool:
     """Write the bundle; False when an identical one is already in place."""
     out = Path(spec.output)
+    sweep_stale(out.parent, out.name)  # what a killed earlier build of this output left beside it
     if _up_to_date(out, build_key):
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
-    public_mode(tmp, directory=True)
+    tmp = make_temp_dir(out)
     try:
         files: list[str] = []
         for name in _TOKENIZER_FILES:

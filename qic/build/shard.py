@@ -25,7 +25,7 @@ from qic.build.components import Component, expected_tensors, source_digest
 from qic.checkpoint.reader import Checkpoint
 from qic.checkpoint.safetensors_file import DTYPE_NAMES
 from qic.errors import CheckpointError
-from qic.fsutil import file_lock, staging_dir, write_json_atomic
+from qic.fsutil import file_lock, leftover_name, staging_dir, write_json_atomic
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Fault-injection for the interruption tests: seconds to pause after each tensor written.
@@ -97,7 +97,7 @@ def _intact(final: Path, tp: int) -> tuple[Path, ...] | None:
     except (OSError, KeyError, ValueError):
         pass
     # Damaged entry: move it aside so the rebuild can take its place.
-    os.rename(final, final.with_name(f".tmp-{final.name}-0-damaged-{os.getpid()}"))
+    os.rename(final, final.with_name(leftover_name(".tmp", final.name, "damaged")))
     return None
 
 

@@ -40,7 +40,7 @@ def _from_hub(repo_id: str) -> Path:
     except LocalEntryNotFoundError:
         raise CheckpointError(f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set" if offline else
                               f"{repo_id}: could not be downloaded and is not in the local hub cache",
-                              "download it first (huggingface-cli download) or pass a local directory") from None
+                              f"download it first (hf download {repo_id}) or pass a local directory") from None
     except Exception as e:  # network errors, missing repos, auth: one line naming the id
         raise CheckpointError(f"{repo_id}: hub resolution failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                               "check the id, your network, or pass a local directory") from None

@@ -13,6 +13,7 @@ from qic.backends.loaders import load_graph
 from qic.errors import BundleError, ConfigError
 from qic.manifest import check_compatible, read_manifest, verify_files
 from qic.tokenizer import load_tokenizer
+from qic.verified import VerificationCache
 from qic.weights import mmap_safetensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
@@ -32,13 +33,19 @@ class Graph:
 class Bundle:
     """A verified, loaded bundle: tokenizer, settings, and graphs by (component, resolution, bucket)."""
 
-    def __init__(self, path: str | Path, device: str | None = None, rank: int = 0, world: int = 1):
+    # Seconds this process has spent loading bundles, all loads together: a resident server reports
+    # the growth of this per prompt, so a reload anywhere shows up in its timings.
+    seconds_loading = 0.0
+
+    def __init__(self, path: str | Path, device: str | None = None, rank: int = 0, world: int = 1,
+                 verify_all: bool = False):
         t0 = time.perf_counter()
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
         check_compatible(m, __version__, torch.__version__)
-        # Every file, compiled code included, is hashed before any of it is loaded.
-        verify_files(self.path, m)
+        # Every file is checked before any of it is loaded: compiled code is hashed every time, weight
+        # shards once per identity (qic/verified.py) unless verify_all asks for a full re-hash.
+        self.trusted_weight_files = verify_files(self.path, m, cache=VerificationCache(), full=verify_all)
         self.device = device or m["device"]
         if m["tp"] != world:
             raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}, but {world} rank(s) run it",
@@ -73,6 +80,7 @@ class Bundle:
             key = _key(g["component"], g["name"])
             self.graphs[key] = Graph(g["name"], run, g["inputs"])
         self.load_seconds = time.perf_counter() - t0
+        Bundle.seconds_loading += self.load_seconds
 
     @property
     def id(self) -> str:

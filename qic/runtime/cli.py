@@ -53,16 +53,16 @@ def serve(bundle_path_or_rank, *args) -> None:
     else:
         bundle_path, options, rank, world = bundle_path_or_rank, *args
     base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
-    t0 = time.perf_counter()
-    bundle = Bundle(bundle_path, device=options.get("device"), rank=rank, world=world)
-    load = time.perf_counter() - t0
+    clock = _LoadClock()
+    bundle = Bundle(bundle_path, device=options.get("device"), rank=rank, world=world,
+                    verify_all=bool(options.get("verify_all")))
     verbose = options.get("verbose")
     lead = rank == 0
     if options.get("prompt"):
-        _one(bundle, base, 0, load, verbose, lead=lead)
+        _one(bundle, base, 0, clock.take(), verbose, lead=lead)
     elif options.get("prompts_file"):
         for i, line_opts in enumerate(_read_prompts(Path(options["prompts_file"]))):
-            _one(bundle, {**base, **line_opts}, i, load if i == 0 else 0.0, verbose, resident=True, lead=lead)
+            _one(bundle, {**base, **line_opts}, i, clock.take(), verbose, resident=True, lead=lead)
     else:
         i = 0
         print("qic interactive: type a prompt, or an empty line to quit.", file=sys.stderr)
@@ -73,8 +73,21 @@ def serve(bundle_path_or_rank, *args) -> None:
                 break
             if not prompt:
                 break
-            _one(bundle, {**base, "prompt": prompt}, i, load if i == 0 else 0.0, verbose, resident=True)
+            _one(bundle, {**base, "prompt": prompt}, i, clock.take(), verbose, resident=True)
             i += 1
+
+
+class _LoadClock:
+    """Seconds spent loading bundles since the previous prompt: the first prompt carries the load, the
+    rest carry whatever was measured meanwhile (nothing, unless something reloaded)."""
+
+    def __init__(self):
+        self.seen = Bundle.seconds_loading
+
+    def take(self) -> float:
+        now = Bundle.seconds_loading
+        spent, self.seen = now - self.seen, now
+        return spent
 
 
 def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, resident: bool = False,

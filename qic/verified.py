@@ -1,0 +1,62 @@
+"""A per-user record of weight files already hashed, so a 58 GB bundle is not re-hashed on every load.
+
+A record says: this bundle's file REL, whose manifest sha256 is S, was hashed and matched while the
+file had identity (device, inode, size, mtime_ns, ctime_ns). Any write to the file changes its ctime
+(the kernel sets it; `touch` cannot put it back), so a file edited in place, even with its mtime
+restored, no longer matches its record and is hashed again. Records live outside the bundle (bundles
+may be read-only), one small file per record named by the hash of its contents, written atomically, so
+concurrent loads need no lock. Stdlib only: the runtime imports it.
+
+Where: $QIC_VERIFY_CACHE, else $XDG_CACHE_HOME/qic/verified, else ~/.cache/qic/verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from qic.fsutil import write_bytes_atomic
+
+# A file changed within this long before hashing began is hashed but not recorded: file timestamps come
+# from the kernel's coarse clock (a tick, at most 10 ms, behind), so a write landing in the same tick as
+# our stat could leave the identity unchanged. One second covers that with a wide margin; the cost is
+# only that a file written just before its first load is hashed once more on the next.
+RACY_NS = 1_000_000_000
+
+
+def default_dir() -> Path:
+    if os.environ.get("QIC_VERIFY_CACHE"):
+        return Path(os.environ["QIC_VERIFY_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "qic" / "verified"
+
+
+def identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+class VerificationCache:
+    def __init__(self, directory: Path | None = None):
+        self.directory = Path(directory) if directory else default_dir()
+
+    def _path(self, bundle_id: str, rel: str, sha256: str, st: os.stat_result) -> Path:
+        body = json.dumps([bundle_id, rel, sha256, identity(st)]).encode()
+        return self.directory / hashlib.sha256(body).hexdigest()
+
+    def has(self, bundle_id: str, rel: str, sha256: str, st: os.stat_result) -> bool:
+        return self._path(bundle_id, rel, sha256, st).is_file()
+
+    def record(self, bundle_id: str, rel: str, sha256: str, path: Path, st: os.stat_result, hash_began_ns: int) -> None:
+        """Record a file that just hashed to `sha256`; `st` is its stat from before hashing."""
+        if st.st_ctime_ns > hash_began_ns - RACY_NS or identity(os.stat(path)) != identity(st):
+            return  # changed recently or while being hashed: not trusted later, hashed again next time
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_bytes_atomic(self._path(bundle_id, rel, sha256, st), json.dumps(
+                {"bundle": bundle_id, "file": rel, "sha256": sha256, "identity": identity(st),
+                 "verified_at": time.time()}).encode())
+        except OSError:
+            pass  # an unwritable cache only costs the next load a re-hash
