@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,12 +31,15 @@ from safetensors.torch import save_file
 
 from qic import __version__
 from qic.backends.base import Backend
+from qic.build import store
 from qic.build.graphs import GraphDef
-from qic.fsutil import file_lock, staging_dir, write_bytes_atomic, write_json_atomic
+from qic.fsutil import file_lock, staging_dir, write_bytes_atomic
 from qic.manifest import sha256_file
 
 _CODE_DIRS = ("models", "build/graphs.py", "backends")
 _QIC = Path(__file__).resolve().parent.parent
+# Fault injection for the warm tests: a graph whose name contains this fails before it compiles.
+_TEST_FAIL = os.environ.get("QIC_TEST_FAIL_GRAPH", "")
 
 
 @dataclass(frozen=True)
@@ -64,19 +68,25 @@ def spec_key(gdef_name: str, shape: dict, dtype: str, tp: int, configs: dict, id
 
 
 def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, weight_names: set[str],
-                  cache_dir: Path, skey: str) -> GraphArtifact:
-    """The artifact for a graph: by spec key from the memo, by graph key from the cache, or compiled.
+                  cache_dir: Path, skey: str, remote=None, sign=None) -> GraphArtifact:
+    """The artifact for a graph: by spec key from the memo, by graph key from the cache, from the remote
+    store (`remote`, a qic.build.store remote), or compiled; `sign` (a private key) signs what it compiles.
 
     `gdef` may be a zero-argument callable, called only on a memo miss: building a GraphDef binds
     (memory-maps) weights, which a no-op build should not do.
     """
     cache_dir = Path(cache_dir)
     memo = cache_dir / "index" / skey
+    identity = backend.identity()
     t0 = time.perf_counter()
     if memo.is_file():
-        art = _lookup(cache_dir, memo.read_text().strip())
-        if art:
-            return GraphArtifact(art[0], art[1], art[2], True, time.perf_counter() - t0)
+        gkey = memo.read_text().strip()
+        hit = store.lookup(cache_dir, gkey, identity, quiet=True)
+        if hit is None:  # stale or damaged: the locked path below reports and replaces it
+            with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
+                hit = store.lookup(cache_dir, gkey, identity)
+        if hit:
+            return GraphArtifact(gkey, cache_dir / "graphs" / gkey, hit, True, time.perf_counter() - t0)
     if callable(gdef):
         gdef = gdef()
     module = gdef.module.eval()
@@ -92,12 +102,18 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
                                       dynamic_shapes=dynamic)
     owned = {n: tensors[n].detach().cpu().contiguous().clone() for n in names
              if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)}
-    gkey = graph_key(program, gdef, owned, backend.identity())
+    gkey = graph_key(program, gdef, owned, identity)
+    final = cache_dir / "graphs" / gkey
     with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
-        art = _lookup(cache_dir, gkey)
-        if art is None:
-            final = cache_dir / "graphs" / gkey
+        meta = store.lookup(cache_dir, gkey, identity)
+        cached = meta is not None
+        if meta is None and remote is not None:
+            meta = remote.fetch(gkey, cache_dir, identity)
+            cached = meta is not None
+        if meta is None:
             with staging_dir(final) as tmp:
+                if _TEST_FAIL and _TEST_FAIL in gdef.name:
+                    raise RuntimeError(f"injected compile failure for {gdef.name} (QIC_TEST_FAIL_GRAPH)")
                 compiled = backend.compile(program, tmp)
                 if owned:
                     save_file(owned, str(tmp / "constants.safetensors"))
@@ -111,15 +127,11 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
                                for n, t in gdef.inputs],
                     "outputs": gdef.outputs, "dynamic_text": bool(gdef.dynamic),
                     "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
-                    "compile_seconds": round(time.perf_counter() - t0, 2), "backend": backend.identity(),
+                    "compile_seconds": round(time.perf_counter() - t0, 2), "backend": identity, "key": gkey,
                 }
-                write_json_atomic(tmp / "meta.json", meta)
-            art = _lookup(cache_dir, gkey)
-            cached = False
-        else:
-            cached = True
+                store.seal(tmp, meta, sign)
     write_bytes_atomic(memo, gkey.encode())
-    return GraphArtifact(gkey, art[1], art[2], cached, time.perf_counter() - t0)
+    return GraphArtifact(gkey, final, meta, cached, time.perf_counter() - t0)
 
 
 class WeightsAsInputs(torch.nn.Module):
@@ -153,16 +165,3 @@ def graph_text(program) -> str:
     Source-location comments are dropped: they name paths that differ between checkouts."""
     text = program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
     return "\n".join(line for line in text.splitlines() if not line.strip().startswith("#"))
-
-
-def _lookup(cache_dir: Path, gkey: str):
-    """(key, dir, meta) if the cached artifact is complete and its files match their recorded sizes."""
-    d = cache_dir / "graphs" / gkey
-    try:
-        meta = json.loads((d / "meta.json").read_text())
-        for f, entry in meta["files"].items():
-            if (d / f).stat().st_size != entry["bytes"]:
-                return None
-    except (OSError, ValueError, KeyError):
-        return None
-    return gkey, d, meta
