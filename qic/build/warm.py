@@ -91,6 +91,8 @@ def plan(specs) -> tuple[list[PlannedJob], list[WarmRow]]:
             for job in plan_jobs(spec, ctx, backend):
                 jobs.setdefault(job.job_id, PlannedJob(job, ctx, backend, model))
         except QicError as e:
+            from qic.build.store import warn
+            warn(f"{model} ({spec.backend}, {spec.device}, tp={spec.tp}) cannot be planned: {e.message}")
             failed.append(WarmRow(f"plan:{model}:{spec.backend}:{spec.device}:tp{spec.tp}", "(planning)", model,
                                   "failed", error=e.message))
     return [jobs[k] for k in sorted(jobs)], failed
