@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= a red bicycle leaning against a blue wall
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench warm clean
 
 install: $(STAMP)
 
@@ -22,6 +22,11 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.
+MATRIX ?= configs/warm/tiny.yaml
+warm: install
+	$(BIN)/qic warm $(MATRIX) $(if $(SHARD),--shard $(SHARD)) $(if $(CACHE),--cache-dir $(CACHE))
 
 bench: install
 	$(BIN)/python -m qic.bench.all

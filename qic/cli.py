@@ -70,14 +70,15 @@ def build(config, model, backend, device, tp, resolutions, text_buckets, compone
 @click.option("--dry-run", is_flag=True, help="List what would compile and what is cached; compile nothing.")
 @click.option("--jobs", type=int, default=1, show_default=True, help="Compile in K worker processes.")
 @click.option("--cache-dir", help="The compile cache (store) to fill; replaces the matrix's cache_dir.")
+@click.option("--model", help="Replaces the matrix's model (e.g. a local directory of configs).")
 @click.option("--sign-key", envvar="QIC_SIGNING_KEY", type=click.Path(dir_okay=False),
               help="Ed25519 private key (PEM) to sign the entries compiled [env QIC_SIGNING_KEY].")
 @click.option("--report", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @_friendly
-def warm(matrix, shard, dry_run, jobs, cache_dir, sign_key, report):
+def warm(matrix, shard, dry_run, jobs, cache_dir, model, sign_key, report):
     """Fill a compile cache from MATRIX (a build config whose keys may hold lists), from configs alone."""
     from qic.cli_warm import run_warm
-    run_warm(matrix, {"cache_dir": cache_dir}, shard, jobs, dry_run, sign_key, report)
+    run_warm(matrix, {"cache_dir": cache_dir, "model": model}, shard, jobs, dry_run, sign_key, report)
 
 
 @main.group()

