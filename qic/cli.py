@@ -114,6 +114,31 @@ def cache_prune(cache_dir, max_size):
     run_cache_prune(cache_dir, max_size)
 
 
+@cache.command("push")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.argument("url")
+@_friendly
+def cache_push(cache_dir, url):
+    """Publish a cache directory's intact entries to hf://ORG/REPO (uploads, then one commit)."""
+    from qic.cli_warm import run_cache_push
+    run_cache_push(cache_dir, url)
+
+
+@cache.command("pull")
+@click.argument("url")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.option("--public-key", "public_keys", multiple=True, help="Public key (hex or .pub file) entries must be "
+              "signed with; repeatable.")
+@click.option("--trusted", is_flag=True, help="Use the store's entries unsigned.")
+@click.option("--device", default="cpu", show_default=True, help="Pull the entries compiled for this machine and "
+              "device (inductor: cpu | cuda).")
+@_friendly
+def cache_pull(url, cache_dir, public_keys, trusted, device):
+    """Fetch hf://ORG/REPO's entries for this machine into a cache directory, verified and signed."""
+    from qic.cli_warm import run_cache_pull
+    run_cache_pull(url, cache_dir, public_keys, trusted, device)
+
+
 @cache.command("keygen")
 @click.argument("keyfile", type=click.Path(dir_okay=False))
 @_friendly

@@ -66,3 +66,25 @@ def run_cache_prune(cache_dir, max_size) -> None:
         print(f"removed {e.key} {e.graph} ({_size(e.bytes)})")
     left = store.entries(Path(cache_dir), hash_files=False)
     print(f"{len(removed)} entries removed; {len(left)} left, {_size(sum(e.bytes for e in left))}")
+
+
+def run_cache_push(cache_dir, url) -> None:
+    from qic.build.hub_store import HubRemote
+    from qic.errors import ConfigError
+    if not str(url).startswith("hf://"):
+        raise ConfigError(f"{url}: push takes a Hub store (hf://ORG/REPO)",
+                          "a directory store needs no push: point --cache-dir or --cache-from at it")
+    pushed = HubRemote(url[len("hf://"):], [], False).push(Path(cache_dir))
+    print(f"pushed {len(pushed)} entries to {url}")
+
+
+def run_cache_pull(url, cache_dir, public_keys, trusted, device) -> None:
+    from qic.backends import get_backend
+    from qic.build.remote import open_remote
+    from qic.errors import ConfigError
+    if not str(url).startswith("hf://"):
+        raise ConfigError(f"{url}: pull takes a Hub store (hf://ORG/REPO)",
+                          "a directory store is read in place: use --cache-from DIR")
+    remote = open_remote(url, [k for k in public_keys if k], trusted)
+    ok, refused = remote.pull(Path(cache_dir), get_backend("inductor", device).identity())
+    print(f"pulled {ok} entries from {url}; {refused} refused")

@@ -284,3 +284,47 @@ def test_warm_matrices_expand():
     assert len(specs["tiny.yaml"]) == 4 and {s.tp for s in specs["tiny.yaml"]} == {1, 2}
     assert {s.model for s in specs["qwen-image.yaml"]} == {"Qwen/Qwen-Image"}
     assert (928, 1664) in specs["qwen-image.yaml"][0].resolutions
+
+
+@pytest.fixture()
+def hub(tmp_path):
+    """The Hub store's HTTP calls go to a local STAND-IN server (tests/hub_standin.py), not the Hub."""
+    from tests.hub_standin import HubStandIn
+    standin = HubStandIn("qic-test/cache")
+    env = {"HF_ENDPOINT": standin.url, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf-home"),
+           "HF_HUB_OFFLINE": "0", "HF_TOKEN": "stand-in-token"}
+    yield standin, env
+    standin.close()
+
+
+def test_hub_store_push_and_pull_against_a_stand_in_server_with_a_412_and_a_500(warmed, tmp_path, hub):
+    standin, env = hub
+    url = "hf://qic-test/cache"
+    standin.fail_commits = [(412, False)]          # another writer committed first: refresh, retry
+    out = qic("cache", "push", warmed.cache, url, env=env)
+    assert "pushed 2 entries" in out.stdout and "HTTP 412" in out.stderr
+    assert len(standin.commits) == 1 and standin.commits[0]["parent"]  # one commit, on the head it saw
+    assert sum(p.endswith("/done") for p in standin.commits[0]["paths"]) == 2
+    assert len(standin.blobs) >= 2                 # graph files went up as blobs before the commit
+    assert "pushed 0 entries" in qic("cache", "push", warmed.cache, url, env=env).stdout   # nothing new
+    # A 500 after which the commit did land: the store looks before retrying and commits nothing twice.
+    extra = tmp_path / "extra"
+    shutil.copytree(warmed.cache / "graphs", extra / "graphs")
+    d = next((extra / "graphs").iterdir())
+    meta = json.loads((d / store.META).read_text())
+    new_key = "f" * 32
+    meta["key"] = new_key
+    store.write_json_atomic(d / store.META, meta)
+    d.rename(d.with_name(new_key))
+    standin.fail_commits = [(500, True)]
+    out = qic("cache", "push", extra, url, env=env)
+    assert len(standin.commits) == 2 and f"graphs/ff/{new_key}/done" in standin.files
+    # Pull: signed entries verify against the warm's public key; with another key all are refused.
+    pulled = qic("cache", "pull", url, tmp_path / "local", "--public-key", warmed.pub_path, env=env)
+    # The re-keyed entry's meta no longer matches its signature.
+    assert "pulled 2 entries" in pulled.stdout and "1 refused" in pulled.stdout
+    assert "its signature does not verify" in pulled.stderr
+    stranger = store.keygen(tmp_path / "stranger.pem")[1]
+    refused = qic("cache", "pull", url, tmp_path / "local2", "--public-key", stranger, env=env)
+    assert "pulled 0 entries" in refused.stdout
+    assert refused.stderr.count("refused: it is not signed by a configured public key") == 3
