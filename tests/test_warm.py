@@ -252,11 +252,33 @@ def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(
     good = _build(tiny_alt_ckpt, tmp_path / "a", tmp_path / "ba", "--cache-from", warmed.cache,
                   "--cache-public-key", warmed.pub_path, res=RES[:1])
     assert _compile_rows(good.stdout) == {"vae_decoder@48x80": "cached"}
+    # The other local cache holds this graph's entry recorded for another torch (edited), and the
+    # remote's signature is by a key this user does not trust: both are refused, the graph compiles.
+    local = tmp_path / "b"
+    gkey = next(p.name for p in (tmp_path / "a" / "graphs").iterdir() if not p.name.startswith("."))
+    shutil.copytree(tmp_path / "a" / "graphs" / gkey, local / "graphs" / gkey)
+    meta = json.loads((local / "graphs" / gkey / store.META).read_text())
+    meta["backend"]["torch"] = "2.12.0"
+    store.write_json_atomic(local / "graphs" / gkey / store.META, meta)
     stranger = store.keygen(tmp_path / "stranger.pem")[1]
-    refused = _build(tiny_alt_ckpt, tmp_path / "b", tmp_path / "bb", "--cache-from", warmed.cache,
+    refused = _build(tiny_alt_ckpt, local, tmp_path / "bb", "--cache-from", warmed.cache,
                      "--cache-public-key", stranger, res=RES[:1])
-    assert "refused: it is not signed by a configured public key; compiling it locally" in refused.stderr
+    assert f"cache entry {local / 'graphs' / gkey}: recorded for another toolchain or machine (torch 2.12.0" \
+        in refused.stderr
+    assert f"remote entry {gkey} refused: it is not signed by a configured public key; compiling it locally" \
+        in refused.stderr
     assert _compile_rows(refused.stdout) == {"vae_decoder@48x80": "built"}
+    assert store.lookup(local, gkey, json.loads((warmed.cache / "graphs" / gkey / store.META).read_text())["backend"])
+
+
+def test_warm_jobs_split_a_shard_across_processes(warmed):
+    one = qic("warm", warmed.matrix, "--cache-dir", warmed.cache, "--dry-run", "--shard", "1/1",
+              "--report", warmed.dir / "j1.json")
+    two = qic("warm", warmed.matrix, "--cache-dir", warmed.cache, "--dry-run", "--jobs", "2",
+              "--report", warmed.dir / "j2.json")
+    rows = [sorted((r["job_id"], r["status"]) for r in json.loads((warmed.dir / f).read_text())["rows"])
+            for f in ("j1.json", "j2.json")]
+    assert rows[0] == rows[1] and len(rows[0]) == 2 and "2 hits" in one.stdout and "2 hits" in two.stdout
 
 
 def _tool(name: str) -> str | None:

@@ -72,6 +72,8 @@ class HubRemote:
             try:
                 meta = json.loads((src / store.META).read_text())
                 for name in meta["files"]:
+                    if "/" in name or "\\" in name or name.startswith("."):
+                        break  # never fetch outside the entry; _adopt refuses the entry
                     get(name)
             except (ValueError, KeyError, TypeError, EntryNotFoundError):
                 pass  # _adopt reports it as corrupted

@@ -62,6 +62,8 @@ def check_entry(d: Path, identity: dict | None = None) -> tuple[str | None, dict
     except (OSError, ValueError, KeyError, TypeError):
         return "corrupted (meta.json unreadable)", None
     for f, entry in files.items():
+        if not isinstance(f, str) or "/" in f or "\\" in f or f.startswith(".") or f in (META, SIGNATURE, DONE):
+            return f"corrupted (file name {str(f)[:40]!r} is not a plain artifact name)", None
         p = d / f
         try:
             if p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
