@@ -21,6 +21,7 @@ from pathlib import Path
 from qic.build import store
 from qic.build.remote import _adopt
 from qic.errors import ConfigError
+from qic.fsutil import file_lock
 
 RETRIES = 6
 
@@ -92,7 +93,9 @@ class HubRemote:
         for gkey in sorted(self.present(revision)):
             if store.lookup(cache_dir, gkey, identity, quiet=True):
                 continue
-            if self.fetch(gkey, cache_dir, identity, revision):
+            with file_lock(Path(cache_dir) / "locks" / f"graph-{gkey}.lock"):  # as compile_graph holds it
+                got = self.fetch(gkey, cache_dir, identity, revision)
+            if got:
                 ok += 1
             else:
                 bad += 1

@@ -247,10 +247,13 @@ def _bound_module(ctx: Context, component: str, weights_path: Path | None) -> to
 def _fake_world(tp: int) -> None:
     import torch.distributed as dist
     if dist.is_initialized():
-        if dist.get_world_size() != tp:
+        if dist.get_world_size() != tp and dist.get_backend() == "fake":
+            dist.destroy_process_group()  # our own tracing group for another TP degree (a warm matrix)
+        elif dist.get_world_size() != tp:
             raise ConfigError(f"a process group of {dist.get_world_size()} ranks is active; building tp={tp} "
                               "needs none (build from a plain process)")
-        return
+        else:
+            return
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
 
