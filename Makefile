@@ -8,7 +8,7 @@ PROMPT ?= a red bicycle leaning against a blue wall
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla-env run test bench clean
+.PHONY: install xla-env run test bench warm clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ run: install
 
 test: install xla-env
 	$(BIN)/python -m pytest -q
+
+# Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.
+MATRIX ?= configs/warm/tiny.yaml
+warm: install
+	$(BIN)/qic warm $(MATRIX) $(if $(SHARD),--shard $(SHARD)) $(if $(CACHE),--cache-dir $(CACHE))
 
 bench: install
 	$(BIN)/python -m qic.bench.all

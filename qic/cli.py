@@ -47,15 +47,106 @@ def main():
               help="Transformer blocks unrolled in the graph, or one block looped over stacked weights.")
 @click.option("--output", help="Bundle directory to write.")
 @click.option("--cache-dir", help="Shard and compile cache directory.")
+@click.option("--cache-from", help="Remote compile store to pull hits from: hf://ORG/REPO or a directory.")
+@click.option("--cache-public-key", "cache_public_keys", multiple=True,
+              help="Public key (hex or .pub file) whose signatures make remote entries usable; repeatable.")
+@click.option("--cache-trusted", is_flag=True, default=None, help="Use the remote store's entries unsigned.")
 @_friendly
-def build(config, model, backend, device, tp, resolutions, text_buckets, components, layers, output, cache_dir):
+def build(config, model, backend, device, tp, resolutions, text_buckets, components, layers, output, cache_dir,
+          cache_from, cache_public_keys, cache_trusted):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default configs/tiny.yaml)."""
     from qic.cli_build import run_build
     overrides = {"model": model, "backend": backend, "device": device, "tp": tp,
                  "resolutions": list(resolutions) or None, "text_buckets": text_buckets,
                  "components": components, "layers": layers, "output": output,
-                 "cache_dir": cache_dir}
+                 "cache_dir": cache_dir, "cache_from": cache_from,
+                 "cache_public_keys": list(cache_public_keys) or None, "cache_trusted": cache_trusted}
     run_build(config, overrides)
+
+
+@main.command()
+@click.argument("matrix", type=click.Path(dir_okay=False))
+@click.option("--shard", help="I/N: compile only this worker's share of the jobs (1-based).")
+@click.option("--dry-run", is_flag=True, help="List what would compile and what is cached; compile nothing.")
+@click.option("--jobs", type=int, default=1, show_default=True, help="Compile in K worker processes.")
+@click.option("--cache-dir", help="The compile cache (store) to fill; replaces the matrix's cache_dir.")
+@click.option("--model", help="Replaces the matrix's model (e.g. a local directory of configs).")
+@click.option("--sign-key", envvar="QIC_SIGNING_KEY", type=click.Path(dir_okay=False),
+              help="Ed25519 private key (PEM) to sign the entries compiled [env QIC_SIGNING_KEY].")
+@click.option("--report", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+@_friendly
+def warm(matrix, shard, dry_run, jobs, cache_dir, model, sign_key, report):
+    """Fill a compile cache from MATRIX (a build config whose keys may hold lists), from configs alone."""
+    from qic.cli_warm import run_warm
+    run_warm(matrix, {"cache_dir": cache_dir, "model": model}, shard, jobs, dry_run, sign_key, report)
+
+
+@main.group()
+def cache():
+    """Inspect and maintain a compile cache directory."""
+
+
+@cache.command("ls")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@_friendly
+def cache_ls(cache_dir):
+    """List the entries of a compile cache."""
+    from qic.cli_warm import run_cache_ls
+    run_cache_ls(cache_dir)
+
+
+@cache.command("verify")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@_friendly
+def cache_verify(cache_dir):
+    """Hash every entry's files; exit 1 if any entry is incomplete or damaged."""
+    from qic.cli_warm import run_cache_verify
+    run_cache_verify(cache_dir)
+
+
+@cache.command("prune")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.option("--max-size", required=True, help="Remove least recently used entries down to this size (e.g. 20G).")
+@_friendly
+def cache_prune(cache_dir, max_size):
+    """Shrink a compile cache to a size, least recently used entries first."""
+    from qic.cli_warm import run_cache_prune
+    run_cache_prune(cache_dir, max_size)
+
+
+@cache.command("push")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.argument("url")
+@_friendly
+def cache_push(cache_dir, url):
+    """Publish a cache directory's intact entries to hf://ORG/REPO (uploads, then one commit)."""
+    from qic.cli_warm import run_cache_push
+    run_cache_push(cache_dir, url)
+
+
+@cache.command("pull")
+@click.argument("url")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.option("--public-key", "public_keys", multiple=True, help="Public key (hex or .pub file) entries must be "
+              "signed with; repeatable.")
+@click.option("--trusted", is_flag=True, help="Use the store's entries unsigned.")
+@click.option("--device", default="cpu", show_default=True, help="Pull the entries compiled for this machine and "
+              "device (inductor: cpu | cuda).")
+@_friendly
+def cache_pull(url, cache_dir, public_keys, trusted, device):
+    """Fetch hf://ORG/REPO's entries for this machine into a cache directory, verified and signed."""
+    from qic.cli_warm import run_cache_pull
+    run_cache_pull(url, cache_dir, public_keys, trusted, device)
+
+
+@cache.command("keygen")
+@click.argument("keyfile", type=click.Path(dir_okay=False))
+@_friendly
+def cache_keygen(keyfile):
+    """Make an Ed25519 signing key (KEYFILE, keep it secret) and its public key (KEYFILE.pub)."""
+    from qic.build.store import keygen
+    pub_path, pub = keygen(keyfile)
+    click.echo(f"private key: {keyfile}\npublic key:  {pub_path} ({pub})")
 
 
 @main.command()

@@ -20,7 +20,8 @@ COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "components", "output",
-        "cache_dir", "layers", "full_hash", "compiler_args", "lnc")
+        "cache_dir", "layers", "full_hash", "compiler_args", "lnc", "cache_from", "cache_public_keys",
+        "cache_trusted")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -46,6 +47,11 @@ class BuildSpec:
     # neuron back end: extra neuronx-cc flags per component, and the logical NeuronCore size (trn2: 1 or 2)
     compiler_args: tuple[tuple[str, str], ...] = ()
     lnc: int = 1
+    # A remote compile store to pull hits from (hf://ORG/REPO or a directory); its entries are used only
+    # if signed by one of cache_public_keys (hex or .pub files), or if cache_trusted.
+    cache_from: str | None = None
+    cache_public_keys: tuple[str, ...] = ()
+    cache_trusted: bool = False
 
     def dtype_of(self, component: str) -> str:
         return dict(self.dtype)[component]
@@ -60,6 +66,16 @@ class BuildSpec:
 def load_spec(config_path: str | Path | None = None, overrides: Mapping | None = None) -> BuildSpec:
     """Parse a YAML build config (the embedded default when None) and apply flag overrides."""
     path = Path(config_path) if config_path else DEFAULT_CONFIG
+    raw = read_yaml_mapping(path)
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "backend" in overrides and "device" not in overrides:
+        raw.pop("device", None)  # the config's device belonged to its back end; use the new one's default
+    merged = {**raw, **overrides}
+    return parse_spec(merged, source=str(path))
+
+
+def read_yaml_mapping(path: Path) -> dict:
+    """A build config (or warm matrix) file's mapping; one clear error when absent or malformed."""
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
@@ -68,11 +84,7 @@ def load_spec(config_path: str | Path | None = None, overrides: Mapping | None =
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys ({', '.join(KEYS)})")
-    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    if "backend" in overrides and "device" not in overrides:
-        raw.pop("device", None)  # the config's device belonged to its back end; use the new one's default
-    merged = {**raw, **overrides}
-    return parse_spec(merged, source=str(path))
+    return raw
 
 
 def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
@@ -108,6 +120,9 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         full_hash=bool(raw.get("full_hash", False)),
         compiler_args=_compiler_args(raw.get("compiler_args", {}), source),
         lnc=_choice(raw.get("lnc", 1), (1, 2), "lnc", source),
+        cache_from=str(raw["cache_from"]) if raw.get("cache_from") else None,
+        cache_public_keys=tuple(str(k) for k in _as_list(raw.get("cache_public_keys") or [])),
+        cache_trusted=bool(raw.get("cache_trusted", False)),
     )
 
 

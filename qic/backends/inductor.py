@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import platform
+import functools
+import os
+import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import torch
 
 from qic.backends.base import Backend, CompiledGraph
 from qic.errors import ConfigError
+from qic.target import host_target
 
 # Weights reach the graph as inputs (see qic.build.compile), so the package holds no weights to
 # leave out; the defaults stay explicit here because they are part of every cache key.
@@ -30,11 +34,15 @@ class InductorBackend(Backend):
         super().__init__(device)
 
     def identity(self) -> dict:
-        ident = {"backend": self.name, "torch": torch.__version__, "device": self.device,
-                 "machine": platform.machine(), "configs": INDUCTOR_CONFIGS}
+        """Everything that decides whether an artifact is right and can run here. Inductor's own config
+        defaults are fixed by torch's version and git hash; what changes them is our INDUCTOR_CONFIGS and
+        TORCHINDUCTOR_* variables (read at import), so those are recorded instead of importing the
+        compiler (6 s) on every build, including no-op ones."""
+        ident = {"backend": self.name, "torch": torch.__version__, "torch_git": torch.version.git_version,
+                 "device": self.device, "configs": INDUCTOR_CONFIGS, "env": _compiler_env(),
+                 "cxx": cxx_version(), "target": host_target(self.device)}
         if self.device == "cuda":
             ident["cuda"] = torch.version.cuda
-            ident["capability"] = list(torch.cuda.get_device_capability())
         return ident
 
     def compile(self, program, out_dir: Path) -> CompiledGraph:
@@ -53,3 +61,25 @@ class InductorBackend(Backend):
         if baked:  # a weight-dependent constant would silently pin one checkpoint's values
             raise RuntimeError(f"compiled graph holds constants {baked[:3]}; expected none")
         return CompiledGraph(file=path.name)
+
+
+def _compiler_env() -> dict:
+    # The cache location does not change what is compiled.
+    return {k: v for k, v in sorted(os.environ.items())
+            if (k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")
+            or k in ("ATEN_CPU_CAPABILITY", "CXX")}
+
+
+@functools.lru_cache(maxsize=4)
+def cxx_version(cxx: str | None = None) -> str:
+    """The C++ compiler inductor uses for CPU code (cpp.cxx: $CXX, else g++), as `--version` names it."""
+    cxx = cxx or os.environ.get("CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx}: not found"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{path}: no version"
+    return f"{path}: {out.splitlines()[0] if out else 'no version'}"

@@ -76,6 +76,8 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
                 "weight_inputs": meta["weight_inputs"], "owned_constants": meta["owned_constants"],
                 "inputs": meta["inputs"], "outputs": meta["outputs"], "dynamic_text": meta["dynamic_text"],
                 "bytes": sum(e["bytes"] for e in meta["files"].values()),
+                # The machine it was compiled for (from the cache, maybe not this one): the runtime checks it.
+                "target": meta["backend"].get("target"),
             })
         vae, den = ctx.configs["vae_decoder"], ctx.configs["denoiser"]
         manifest = finalize({

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,12 +31,15 @@ from safetensors.torch import save_file
 
 from qic import __version__
 from qic.backends.base import Backend
+from qic.build import store
 from qic.build.graphs import GraphDef
-from qic.fsutil import file_lock, staging_dir, write_bytes_atomic, write_json_atomic
+from qic.fsutil import file_lock, staging_dir, write_bytes_atomic
 from qic.manifest import sha256_file
 
 _CODE_DIRS = ("models", "build/graphs.py", "backends")
 _QIC = Path(__file__).resolve().parent.parent
+# Fault injection for the warm tests: a graph whose name contains this fails before it compiles.
+_TEST_FAIL = os.environ.get("QIC_TEST_FAIL_GRAPH", "")
 
 
 @dataclass(frozen=True)
@@ -64,23 +68,29 @@ def spec_key(gdef_name: str, shape: dict, dtype: str, tp: int, configs: dict, id
 
 
 def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, weight_names: set[str],
-                  cache_dir: Path, skey: str) -> GraphArtifact:
-    """The artifact for a graph: by spec key from the memo, by graph key from the cache, or compiled.
+                  cache_dir: Path, skey: str, remote=None, sign=None) -> GraphArtifact:
+    """The artifact for a graph: by spec key from the memo, by graph key from the cache, from the remote
+    store (`remote`, a qic.build.store remote), or compiled; `sign` (a private key) signs what it compiles.
 
     `gdef` may be a zero-argument callable, called only on a memo miss: building a GraphDef binds
     (memory-maps) weights, which a no-op build should not do.
     """
     cache_dir = Path(cache_dir)
     memo = cache_dir / "index" / skey
+    identity = backend.identity()
     t0 = time.perf_counter()
     if memo.is_file():
-        art = _lookup(cache_dir, memo.read_text().strip())
-        if art:
-            return GraphArtifact(art[0], art[1], art[2], True, time.perf_counter() - t0)
+        gkey = memo.read_text().strip()
+        hit = store.lookup(cache_dir, gkey, identity, quiet=True)
+        if hit is None:  # stale or damaged: the locked path below reports and replaces it
+            with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
+                hit = store.lookup(cache_dir, gkey, identity)
+        if hit:
+            return GraphArtifact(gkey, cache_dir / "graphs" / gkey, hit, True, time.perf_counter() - t0)
     if callable(gdef):
         gdef = gdef()
     if getattr(backend, "traces_modules", False):
-        art = lower_graph(gdef, backend, weight_names, cache_dir, t0)
+        art = lower_graph(gdef, backend, weight_names, cache_dir, t0, remote, sign)
         write_bytes_atomic(memo, art.graph_key.encode())
         return art
     module = gdef.module.eval()
@@ -94,39 +104,27 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
     with torch.no_grad():
         program = torch.export.export(WeightsAsInputs(module, names), (args, [tensors[n] for n in names]),
                                       dynamic_shapes=dynamic)
-    owned = {n: tensors[n].detach().cpu().contiguous().clone() for n in names
-             if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)}
-    gkey = graph_key(program, gdef, owned, backend.identity())
+    owned = _owned(gdef, tensors, weight_names)
+    gkey = graph_key(program, gdef, owned, identity)
+    final = cache_dir / "graphs" / gkey
     with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
-        art = _lookup(cache_dir, gkey)
-        if art is None:
-            final = cache_dir / "graphs" / gkey
+        meta = store.lookup(cache_dir, gkey, identity)
+        cached = meta is not None
+        if meta is None and remote is not None:
+            meta = remote.fetch(gkey, cache_dir, identity)
+            cached = meta is not None
+        if meta is None:
             with staging_dir(final) as tmp:
+                if _TEST_FAIL and _TEST_FAIL in gdef.name:
+                    raise RuntimeError(f"injected compile failure for {gdef.name} (QIC_TEST_FAIL_GRAPH)")
                 compiled = backend.compile(program, tmp)
-                if owned:
-                    save_file(owned, str(tmp / "constants.safetensors"))
-                files = [compiled.file] + (["constants.safetensors"] if owned else [])
-                meta = {
-                    "graph": gdef.name, "component": gdef.component, "file": compiled.file,
-                    "constants_file": "constants.safetensors" if owned else None,
-                    "weight_inputs": names, "owned_constants": sorted(owned),
-                    "weight_prefix": gdef.weight_prefix,
-                    "inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-                               for n, t in gdef.inputs],
-                    "outputs": gdef.outputs, "dynamic_text": bool(gdef.dynamic),
-                    "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
-                    "compile_seconds": round(time.perf_counter() - t0, 2), "backend": backend.identity(),
-                }
-                write_json_atomic(tmp / "meta.json", meta)
-            art = _lookup(cache_dir, gkey)
-            cached = False
-        else:
-            cached = True
+                meta = _seal(tmp, gdef, compiled, names, owned, identity, gkey, t0, sign)
     write_bytes_atomic(memo, gkey.encode())
-    return GraphArtifact(gkey, art[1], art[2], cached, time.perf_counter() - t0)
+    return GraphArtifact(gkey, final, meta, cached, time.perf_counter() - t0)
 
 
-def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_dir: Path, t0: float) -> GraphArtifact:
+def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_dir: Path, t0: float,
+                remote=None, sign=None) -> GraphArtifact:
     """The neuron path: lower the eager module to HLO (no torch.export), check it on XLA:CPU, cache it.
 
     The graph key is the HLO's own digest (plus shapes, owned constants and the back end's identity):
@@ -143,19 +141,21 @@ def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_
     tensors = dict(module.named_parameters())
     tensors.update(module.named_buffers())
     tp = tp_size_of(module)
+    identity = backend.identity()
     lowered = backend.lower(module, gdef.inputs, tensors, tp)
-    owned = {n: tensors[n].detach().cpu().contiguous().clone() for n in tensors
-             if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)}
+    owned = _owned(gdef, tensors, weight_names)
     owned.update(lowered.constants)   # scalars torch-xla made parameters: they travel with the graph
     names = list(tensors) + list(lowered.constants)
-    h = hashlib.sha256(b"qic-hlo-v1")
-    h.update(hashlib.sha256(lowered.proto).digest())
-    gkey = graph_key_from(h, gdef, owned, backend.identity())
+    gkey = graph_key_from(hashlib.sha256(b"qic-hlo-v1" + hashlib.sha256(lowered.proto).digest()), gdef, owned,
+                          identity)
+    final = cache_dir / "graphs" / gkey
     with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
-        art = _lookup(cache_dir, gkey)
-        cached = art is not None
-        if not cached:
-            final = cache_dir / "graphs" / gkey
+        meta = store.lookup(cache_dir, gkey, identity)
+        cached = meta is not None
+        if meta is None and remote is not None:
+            meta = remote.fetch(gkey, cache_dir, identity)
+            cached = meta is not None
+        if meta is None:
             with staging_dir(final) as tmp:
                 compiled = backend.write(lowered, names, [n for n, _ in gdef.inputs], tmp)
                 checks = {"xla_cpu_rel_l2": None, "tp": tp}
@@ -169,25 +169,36 @@ def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_
                     # A TP graph's all-reduces need tp XLA:CPU devices executing in lockstep; the tests run
                     # that (tests/test_neuron_xla.py), the build records the single-device figure only.
                     checks["xla_cpu_check"] = f"not run at build time for tp={tp} (see tests/test_neuron_xla.py)"
-                if owned:
-                    save_file(owned, str(tmp / "constants.safetensors"))
-                files = [compiled.file, *compiled.meta.get("extra_files", [])]
-                files += ["constants.safetensors"] if owned else []
-                meta = {
-                    "graph": gdef.name, "component": gdef.component, "file": compiled.file,
-                    "constants_file": "constants.safetensors" if owned else None,
-                    "weight_inputs": names, "owned_constants": sorted(owned),
-                    "weight_prefix": gdef.weight_prefix,
-                    "inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-                               for n, t in gdef.inputs],
-                    "outputs": gdef.outputs, "dynamic_text": False, "checks": checks,
-                    "hlo": {"bytes": len(lowered.proto), "parameters": len(lowered.param_order)},
-                    "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
-                    "compile_seconds": round(time.perf_counter() - t0, 2), "backend": backend.identity(),
-                }
-                write_json_atomic(tmp / "meta.json", meta)
-            art = _lookup(cache_dir, gkey)
-    return GraphArtifact(gkey, art[1], art[2], cached, time.perf_counter() - t0)
+                meta = _seal(tmp, gdef, compiled, names, owned, identity, gkey, t0, sign,
+                             checks=checks, hlo={"bytes": len(lowered.proto), "parameters": len(lowered.param_order)})
+    return GraphArtifact(gkey, final, meta, cached, time.perf_counter() - t0)
+
+
+def _owned(gdef: GraphDef, tensors: dict, weight_names: set[str]) -> dict:
+    """The graph's own tensors (RoPE tables, latent statistics): those the weight shards do not hold."""
+    return {n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()
+            if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)}
+
+
+def _seal(tmp: Path, gdef: GraphDef, compiled, names: list[str], owned: dict, identity: dict, gkey: str,
+          t0: float, sign, **extra) -> dict:
+    """Write the entry's constants and meta.json (signed when `sign` is given); the meta."""
+    if owned:
+        save_file(owned, str(tmp / "constants.safetensors"))
+    files = [compiled.file, *compiled.meta.get("extra_files", [])] + (["constants.safetensors"] if owned else [])
+    meta = {
+        "graph": gdef.name, "component": gdef.component, "file": compiled.file,
+        "constants_file": "constants.safetensors" if owned else None,
+        "weight_inputs": names, "owned_constants": sorted(owned),
+        "weight_prefix": gdef.weight_prefix,
+        "inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                   for n, t in gdef.inputs],
+        "outputs": gdef.outputs, "dynamic_text": bool(gdef.dynamic),
+        "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
+        "compile_seconds": round(time.perf_counter() - t0, 2), "backend": identity, "key": gkey, **extra,
+    }
+    store.seal(tmp, meta, sign)
+    return meta
 
 
 def graph_key_from(h, gdef: GraphDef, owned: dict, identity: dict) -> str:
@@ -226,16 +237,3 @@ def graph_text(program) -> str:
     Source-location comments are dropped: they name paths that differ between checkouts."""
     text = program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
     return "\n".join(line for line in text.splitlines() if not line.strip().startswith("#"))
-
-
-def _lookup(cache_dir: Path, gkey: str):
-    """(key, dir, meta) if the cached artifact is complete and its files match their recorded sizes."""
-    d = cache_dir / "graphs" / gkey
-    try:
-        meta = json.loads((d / "meta.json").read_text())
-        for f, entry in meta["files"].items():
-            if (d / f).stat().st_size != entry["bytes"]:
-                return None
-    except (OSError, ValueError, KeyError):
-        return None
-    return gkey, d, meta

@@ -17,12 +17,14 @@ from qic.build import plans
 from qic.build.bundle import write_bundle
 from qic.build.components import COMPONENTS, expected_tensors
 from qic.build.graphs import TORCH_DTYPES, denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.build.remote import open_remote
 from qic.build.shard import shard_component
 from qic.build.source import resolve_model
+from qic.build.store import warn
 from qic.errors import ConfigError
 from qic.fsutil import sweep_stale
 from qic.host.latents import check_resolution
-from qic.host.prompt import TEMPLATE
+from qic.host.prompt import DROP_TOKENS, TEMPLATE
 from qic.host.schedule import check_scheduler_config
 from qic.spec import BuildSpec
 from qic.tokenizer import load_tokenizer
@@ -55,17 +57,22 @@ class BuildReport:
 
 
 class Context:
-    """What validation derived, shared by the stages."""
+    """What validation derived, shared by the stages.
 
-    def __init__(self, spec: BuildSpec, progress):
-        self.spec, self.progress = spec, progress
+    configs_only: the checkpoint may hold configs (and a tokenizer) without weights, as `qic warm`
+    compiles from; weights are then stood in by tensors of the right shapes (see graph_module).
+    """
+
+    def __init__(self, spec: BuildSpec, progress, configs_only: bool = False):
+        self.spec, self.progress, self.configs_only = spec, progress, configs_only
         self.cache = Path(spec.cache_dir)
         self.output = Path(spec.output)
-        self.ckpt = resolve_model(spec.model, self.cache)
+        self.ckpt = resolve_model(spec.model, self.cache, configs_only=configs_only)
         self.raw = {f: self.ckpt.config(f) for f in ("text_encoder", "transformer", "vae")}
         self.scheduler = self.ckpt.config("scheduler")
         self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in COMPONENTS.items()}
-        self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
+        has_tokenizer = self.ckpt.tokenizer_dir.is_dir()
+        self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir) if has_tokenizer or not configs_only else None
 
 
 def validate(spec: BuildSpec, ctx: Context) -> None:
@@ -74,11 +81,20 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
     vae = ctx.configs["vae_decoder"]
     for h, w in spec.resolutions:
         check_resolution(h, w, vae.scale_factor)
-    template_len = len(ctx.tokenizer.encode(TEMPLATE.format("")).ids)
+    if ctx.tokenizer is not None:
+        template_len = len(ctx.tokenizer.encode(TEMPLATE.format("")).ids)
+        what = f"the prompt template ({template_len} tokens with an empty prompt)"
+    else:
+        # Configs without a tokenizer (e.g. the published Qwen-Image configs): the template's length is
+        # unknown, but the encoder output drops its first DROP_TOKENS, so a bucket must exceed that for
+        # the denoiser's graphs to exist at all. The build with the tokenizer checks the exact bound.
+        template_len, what = DROP_TOKENS, f"the {DROP_TOKENS} template tokens the denoiser drops"
+        if any(spec.text_buckets):
+            warn(f"{ctx.ckpt.root}: no tokenizer, so text buckets are checked only against the {DROP_TOKENS} "
+                 "dropped template tokens, not the template's full length (a build with the tokenizer checks it)")
     for b in spec.text_buckets:
         if b and b <= template_len:
-            raise ConfigError(f"text bucket {b} is too small for the prompt template ({template_len} tokens "
-                              f"with an empty prompt); use buckets > {template_len}")
+            raise ConfigError(f"text bucket {b} is too small for {what}; use buckets > {template_len}")
     for name in spec.components:
         expected_tensors(COMPONENTS[name], ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
 
@@ -114,21 +130,12 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
 
     # Stage 2: one graph per bucket / resolution, through the compile cache.
-    code = stage2.code_digest()
-    identity = backend.identity()
     artifacts = []
-    for gspec in plan_graphs(spec, ctx):
-        comp_name, maker, shape = gspec
-        configs = {f: ctx.raw[f] for f in _CONFIG_DEPS[comp_name]}
-        dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
-        skey = stage2.spec_key(_graph_name(comp_name, shape), {**shape, "looped": _looped(spec, comp_name)}, dtype,
-                               tp_of(comp_name, spec.tp), configs, identity, code)
-        weights_path = shards[comp_name].files[0]
-        weight_names = set(_header_names(weights_path))
+    remote = open_remote(spec.cache_from, spec.cache_public_keys, spec.cache_trusted)
+    for job in plan_jobs(spec, ctx, backend):
         if progress:
-            progress("compile", _graph_name(comp_name, shape), None)
-        art = stage2.compile_graph(lambda m=maker, p=weights_path, c=comp_name: m(_bound_module(ctx, c, p)),
-                                   backend, weight_names, ctx.cache, skey)
+            progress("compile", job.name, None)
+        art = compile_job(job, ctx, backend, weights_path=shards[job.component].files[0], remote=remote)
         artifacts.append(art)
         report.rows.append(Row("compile", art.meta["graph"], art.cached,
                                sum(f["bytes"] for f in art.meta["files"].values()), art.seconds))
@@ -178,6 +185,43 @@ def neff_stage(backend, artifacts, cache: Path, report: BuildReport, progress) -
         report.rows.append(Row("neff", art.meta["graph"], hit, neff.stat().st_size, time.perf_counter() - t))
     return out
 
+@dataclass
+class GraphJob:
+    """One graph to compile: what it is, and its spec key (computable without exporting anything)."""
+    component: str
+    name: str
+    shape: dict
+    spec_key: str
+    maker: object          # maker(bound module) -> GraphDef
+    job_id: str            # the spec key without this machine's identity: the same on every warm worker
+
+
+def plan_jobs(spec: BuildSpec, ctx: Context, backend) -> list[GraphJob]:
+    """Every graph the spec asks for, with its spec key: the plan `qic build` and `qic warm` share."""
+    code = stage2.code_digest()
+    identity = backend.identity()
+    jobs = []
+    for comp_name, maker, shape in plan_graphs(spec, ctx):
+        configs = {f: ctx.raw[f] for f in _CONFIG_DEPS[comp_name]}
+        dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
+        name = _graph_name(comp_name, shape)
+        shape_key = {**shape, "looped": _looped(spec, comp_name)}
+        tp = tp_of(comp_name, spec.tp)
+        skey = stage2.spec_key(name, shape_key, dtype, tp, configs, identity, code)
+        job_id = stage2.spec_key(name, shape_key, dtype, tp, configs, {"backend": spec.backend,
+                                                                       "device": spec.device}, "")
+        jobs.append(GraphJob(comp_name, name, shape, skey, maker, job_id))
+    return jobs
+
+
+def compile_job(job: GraphJob, ctx: Context, backend, weights_path: Path | None = None, remote=None,
+                sign=None) -> stage2.GraphArtifact:
+    """Compile (or find) one job's graph, its weights bound from a shard file, or stood in by shapes
+    when `weights_path` is None (graphs take weights as inputs, so their values never matter)."""
+    names = _header_names(weights_path) if weights_path else list(_shard_shapes(ctx, job.component))
+    return stage2.compile_graph(lambda: job.maker(_bound_module(ctx, job.component, weights_path)),
+                                backend, set(names), ctx.cache, job.spec_key, remote=remote, sign=sign)
+
 
 def plan_graphs(spec: BuildSpec, ctx: Context):
     """(component, maker(module) -> GraphDef, shape) for every graph the spec asks for."""
@@ -207,14 +251,26 @@ def _graph_name(component: str, shape: dict) -> str:
     return "@".join(parts)
 
 
-def _bound_module(ctx: Context, component: str, weights_path: Path) -> torch.nn.Module:
-    """The eager module with memory-mapped shard tensors assigned (no copy, nothing touched)."""
+def _shard_shapes(ctx: Context, component: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one rank's weight shard: exactly the module's state dict (loaded strictly)."""
+    return expected_tensors(COMPONENTS[component], ctx.configs[component], tp_of(component, ctx.spec.tp),
+                            looped=_looped(ctx.spec, component))
+
+
+def _bound_module(ctx: Context, component: str, weights_path: Path | None) -> torch.nn.Module:
+    """The eager module with memory-mapped shard tensors assigned (no copy, nothing touched), or with
+    uninitialised stand-ins of the shard's shapes and dtype when there are no weights (torch.empty
+    only reserves address space until written, and compiling never reads weight values)."""
     comp = COMPONENTS[component]
     tp = tp_of(component, ctx.spec.tp)
+    dtype = TORCH_DTYPES[comp.fixed_dtype or ctx.spec.dtype_of(component)]
     with torch.device("meta"):
         module = comp.make_module(ctx.configs[component], tp_size=tp, looped=_looped(ctx.spec, component))
-    module.load_state_dict(mmap_safetensors(weights_path), strict=True, assign=True)
-    dtype = TORCH_DTYPES[comp.fixed_dtype or ctx.spec.dtype_of(component)]
+    if weights_path is not None:
+        tensors = mmap_safetensors(weights_path)
+    else:  # shards hold every tensor in the component's dtype (stage 1)
+        tensors = {n: torch.empty(shape, dtype=dtype) for n, shape in _shard_shapes(ctx, component).items()}
+    module.load_state_dict(tensors, strict=True, assign=True)
     module = module.to(dtype)
     if tp > 1:
         # The all-reduces enter the graph by the world group's name; at run time each rank's gloo/NCCL
@@ -228,10 +284,13 @@ def _bound_module(ctx: Context, component: str, weights_path: Path) -> torch.nn.
 def _fake_world(tp: int) -> None:
     import torch.distributed as dist
     if dist.is_initialized():
-        if dist.get_world_size() != tp:
+        if dist.get_world_size() != tp and dist.get_backend() == "fake":
+            dist.destroy_process_group()  # our own tracing group for another TP degree (a warm matrix)
+        elif dist.get_world_size() != tp:
             raise ConfigError(f"a process group of {dist.get_world_size()} ranks is active; building tp={tp} "
                               "needs none (build from a plain process)")
-        return
+        else:
+            return
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
 
@@ -242,7 +301,8 @@ def _header_names(path: Path) -> list[str]:
 
 
 def _build_key(spec, digest, shards, artifacts) -> str:
-    body = {"spec": {k: v for k, v in spec.to_json().items() if k not in ("output", "cache_dir")},
+    where = ("output", "cache_dir", "cache_from", "cache_public_keys", "cache_trusted")  # not what is built
+    body = {"spec": {k: v for k, v in spec.to_json().items() if k not in where},
             "checkpoint": digest, "shards": {k: v.key for k, v in shards.items()},
             "graphs": [a.graph_key for a in artifacts], "qic": __version__, "torch": torch.__version__,
             "neffs": [a.meta.get("neff", {}).get("sha256") for a in artifacts]}

@@ -13,10 +13,13 @@ EMBEDDED_PREFIX = "embedded:"   # embedded:tiny, embedded:tiny-alt
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Files a build needs from a hub repo; the vision tower lives in the text encoder shards and is simply not read.
 _HUB_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "text_encoder/*", "transformer/*", "vae/*"]
+# What compiling needs (`qic warm`): configs and the tokenizer, not the weights.
+_HUB_CONFIG_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "*/config.json"]
 
 
-def resolve_model(model: str | None, cache_dir: Path) -> Checkpoint:
-    """None -> the embedded tiny checkpoint (generated once into the cache); a directory; or a hub id."""
+def resolve_model(model: str | None, cache_dir: Path, configs_only: bool = False) -> Checkpoint:
+    """None -> the embedded tiny checkpoint (generated once into the cache); a directory; or a hub id
+    (configs_only: only its configs and tokenizer are fetched)."""
     if model is None or model.startswith(EMBEDDED_PREFIX):
         from qic.checkpoint.embedded import write_checkpoint
 
@@ -26,17 +29,17 @@ def resolve_model(model: str | None, cache_dir: Path) -> Checkpoint:
     path = Path(model).expanduser()
     if path.exists() or model.startswith((".", "/", "~")) or not _HUB_ID.match(model):
         return Checkpoint(path, model_id=str(path.resolve()))
-    return Checkpoint(_from_hub(model), model_id=model)
+    return Checkpoint(_from_hub(model, _HUB_CONFIG_PATTERNS if configs_only else _HUB_PATTERNS), model_id=model)
 
 
-def _from_hub(repo_id: str) -> Path:
+def _from_hub(repo_id: str, patterns: list[str]) -> Path:
     """Resolve through huggingface-hub; HF_HUB_OFFLINE=1 uses only the local hub cache."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=offline))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
     except LocalEntryNotFoundError:
         raise CheckpointError(f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set" if offline else
                               f"{repo_id}: could not be downloaded and is not in the local hub cache",

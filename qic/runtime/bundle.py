@@ -12,6 +12,7 @@ from qic import __version__
 from qic.backends.loaders import load_graph
 from qic.errors import BundleError, ConfigError
 from qic.manifest import check_compatible, read_manifest, verify_files
+from qic.target import target_mismatch
 from qic.tokenizer import load_tokenizer
 from qic.verified import VerificationCache
 from qic.weights import mmap_safetensors
@@ -43,10 +44,11 @@ class Bundle:
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
         check_compatible(m, __version__, torch.__version__)
+        self.device = device or m["device"]
+        check_targets(self.path, m, self.device)
         # Every file is checked before any of it is loaded: compiled code is hashed every time, weight
         # shards once per identity (qic/verified.py) unless verify_all asks for a full re-hash.
         self.trusted_weight_files = verify_files(self.path, m, cache=VerificationCache(), full=verify_all)
-        self.device = device or m["device"]
         if m["tp"] != world:
             raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}, but {world} rank(s) run it",
                               f"run it with --tp {m['tp']}")
@@ -102,6 +104,18 @@ class Bundle:
             have = ", ".join(f"{h}x{w}" for h, w in self.resolutions)
             raise ConfigError(f"resolution {height}x{width} is not in this bundle (it has: {have})",
                               "pick one of those, or rebuild with --resolution")
+
+
+def check_targets(path: Path, manifest: dict, device: str) -> None:
+    """Refuse, before any compiled code is loaded, a graph compiled for an instruction set or GPU this
+    machine lacks (torch itself only warns, after loading, if the process survives the load)."""
+    if manifest["backend"].get("backend") != "inductor":
+        return  # other back ends' artifacts are checked by their own loaders
+    for g in manifest["graphs"]:
+        reason = target_mismatch(g.get("target", manifest["backend"].get("target")), device)
+        if reason:
+            raise BundleError(f"{path}: graph {g['name']} cannot run on this machine: {reason}",
+                              "rebuild the bundle (or warm its cache) on a machine like this one")
 
 
 def _key(component: str, name: str) -> tuple:

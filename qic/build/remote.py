@@ -1,0 +1,66 @@
+"""Remote compile stores a build pulls hits from before compiling (`cache_from:` / `--cache-from`).
+
+A remote entry is native code this machine will run, so a matching hash proves nothing about who made
+it: it is used only if its Ed25519 signature verifies against a configured public key, or the user
+marked the store trusted. Otherwise it is refused with one line and the graph is compiled locally.
+The entry is checked again (hashes, toolchain identity) after it lands in the local store.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from qic.build import store
+from qic.errors import ConfigError
+from qic.fsutil import staging_dir
+
+
+class DirectoryRemote:
+    """Another directory store (e.g. a shared mount) used read-only by this build."""
+
+    def __init__(self, root: Path, public_keys: list[str], trusted: bool):
+        self.root, self.public_keys, self.trusted = Path(root), public_keys, trusted
+        if not self.root.is_dir():
+            raise ConfigError(f"cache_from {self.root}: no such directory")
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def fetch(self, gkey: str, cache_dir: Path, identity: dict) -> dict | None:
+        """Copy a verified entry into the local store (caller holds its lock); its meta, else None."""
+        src = store.entry_dir(self.root, gkey)
+        if not src.is_dir():
+            return None
+        return _adopt(src, cache_dir, gkey, identity, self.public_keys, self.trusted, str(self))
+
+
+def _adopt(src: Path, cache_dir: Path, gkey: str, identity: dict, public_keys, trusted, where: str) -> dict | None:
+    problem, meta = store.check_entry(src, identity)
+    if problem is None and not trusted:
+        problem = store.signature_problem(src, meta, public_keys)
+    if problem is None and meta.get("key") != gkey:
+        problem = f"it is recorded as entry {meta.get('key')}"
+    if problem:
+        store.warn(f"{where}: remote entry {gkey} refused: {problem}; compiling it locally")
+        return None
+    with staging_dir(store.entry_dir(cache_dir, gkey)) as tmp:
+        for f in [*meta["files"], store.META, store.SIGNATURE]:
+            if (src / f).is_file():
+                shutil.copyfile(src / f, tmp / f)
+        (tmp / store.DONE).write_bytes(b"")
+    return store.lookup(cache_dir, gkey, identity)
+
+
+def open_remote(url: str | None, public_keys=(), trusted: bool = False):
+    """The remote for a `cache_from` value: hf://ORG/REPO (Hugging Face Hub) or a directory."""
+    if not url:
+        return None
+    keys = store.parse_public_keys(public_keys)
+    if not keys and not trusted:
+        store.warn(f"cache_from {url}: no public key configured and the store is not marked trusted, "
+                   "so every remote entry will be refused (set cache_public_keys or cache_trusted)")
+    if url.startswith("hf://"):
+        from qic.build.hub_store import HubRemote
+        return HubRemote(url[len("hf://"):], keys, trusted)
+    return DirectoryRemote(Path(url).expanduser(), keys, trusted)

