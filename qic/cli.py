@@ -41,19 +41,21 @@ def main():
 @click.option("--device", help="cpu | cuda (inductor), neuron")
 @click.option("--tp", type=int, help="Tensor-parallel degree.")
 @click.option("--resolution", "resolutions", multiple=True, help="HxW, repeatable; replaces the config's list.")
-@click.option("--text-buckets", help="Comma-separated lengths, a step (e.g. 64), or 0 for exact length.")
+@click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length.")
+@click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt).")
 @click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder.")
 @click.option("--layers", type=click.Choice(["unrolled", "looped"]),
               help="Transformer blocks unrolled in the graph, or one block looped over stacked weights.")
 @click.option("--output", help="Bundle directory to write.")
 @click.option("--cache-dir", help="Shard and compile cache directory.")
 @_friendly
-def build(config, model, backend, device, tp, resolutions, text_buckets, components, layers, output, cache_dir):
+def build(config, model, backend, device, tp, resolutions, text_buckets, text_bucket_step, components, layers, output,
+          cache_dir):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default configs/tiny.yaml)."""
     from qic.cli_build import run_build
     overrides = {"model": model, "backend": backend, "device": device, "tp": tp,
                  "resolutions": list(resolutions) or None, "text_buckets": text_buckets,
-                 "components": components, "layers": layers, "output": output,
+                 "text_bucket_step": text_bucket_step, "components": components, "layers": layers, "output": output,
                  "cache_dir": cache_dir}
     run_build(config, overrides)
 

@@ -19,8 +19,8 @@ DEVICES = ("cpu", "cuda", "neuron")
 COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
-KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "components", "output",
-        "cache_dir", "layers", "full_hash")
+KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
+        "output", "cache_dir", "layers", "full_hash")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -68,6 +68,10 @@ def load_spec(config_path: str | Path | None = None, overrides: Mapping | None =
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if "backend" in overrides and "device" not in overrides:
         raw.pop("device", None)  # the config's device belonged to its back end; use the new one's default
+    # A flag for either form of text buckets replaces the config's buckets in whichever form it gave them.
+    for flag, other in (("text_buckets", "text_bucket_step"), ("text_bucket_step", "text_buckets")):
+        if flag in overrides and other not in overrides:
+            raw.pop(other, None)
     merged = {**raw, **overrides}
     return parse_spec(merged, source=str(path))
 
@@ -97,7 +101,7 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         tp=tp,
         dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", source),
         resolutions=tuple(parse_resolution(r, source) for r in _as_list(raw.get("resolutions", ["48x80"]))),
-        text_buckets=parse_buckets(raw.get("text_buckets", list(d.text_buckets)), source),
+        text_buckets=_buckets(raw, source),
         components=tuple(c for c in COMPONENTS if c in components),
         output=str(raw.get("output", d.output)),
         cache_dir=str(raw.get("cache_dir", d.cache_dir)),
@@ -119,25 +123,39 @@ def parse_resolution(value, source: str = "config") -> tuple[int, int]:
 
 
 def parse_buckets(value, source: str = "config") -> tuple[int, ...]:
-    """A list of lengths, a step ('64' or 64: 64, 128, ... up to the limit), or 0 for exact length."""
-    if isinstance(value, str) and "," in value:
+    """Text buckets as written: a list or comma-separated lengths ('72,128'), one length ('128' or 128 is
+    the one bucket 128), or 0 alone for exact length (one graph with a dynamic text dimension)."""
+    if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple)):
-        try:
-            buckets = tuple(sorted({int(v) for v in value}))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source}: text_buckets {value!r} must be integers") from None
-    else:
-        try:
-            step = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source}: text_buckets {value!r} must be a list, a step, or 0") from None
-        if step < 0:
-            raise ConfigError(f"{source}: text_buckets step must be >= 0, got {step}")
-        buckets = (0,) if step == 0 else tuple(range(step, MAX_TEXT_BUCKET + step, step))
+    elif not isinstance(value, (list, tuple)):
+        value = [value]
+    try:
+        buckets = tuple(sorted({int(v) for v in value}))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: text_buckets {value!r} must be integers (e.g. 128 or 72,128)") from None
     if not buckets or any(b < 0 for b in buckets) or (0 in buckets and len(buckets) > 1):
         raise ConfigError(f"{source}: text_buckets {value!r}: use positive lengths, or 0 alone for exact length")
     return buckets
+
+
+def bucket_steps(step, source: str = "config") -> tuple[int, ...]:
+    """text_bucket_step N: the buckets N, 2N, ... up to the first one that holds the longest prompt."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        try:
+            step = int(str(step).strip())
+        except ValueError:
+            raise ConfigError(f"{source}: text_bucket_step {step!r} must be a positive integer") from None
+    if step <= 0:
+        raise ConfigError(f"{source}: text_bucket_step must be a positive integer, got {step}")
+    return tuple(range(step, MAX_TEXT_BUCKET + step, step))
+
+
+def _buckets(raw: Mapping, source: str) -> tuple[int, ...]:
+    if "text_bucket_step" in raw and "text_buckets" in raw:
+        raise ConfigError(f"{source}: give text_buckets or text_bucket_step, not both")
+    if "text_bucket_step" in raw:
+        return bucket_steps(raw["text_bucket_step"], source)
+    return parse_buckets(raw.get("text_buckets", list(BuildSpec.text_buckets)), source)
 
 
 def _as_list(v):

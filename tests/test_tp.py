@@ -520,7 +520,7 @@ def test_tp2_bundle_runs_and_matches_tp1(bundle, workdir, cache_dir, tiny_ckpt, 
     out = workdir / "bundle-tp2"
     res = "{}x{}".format(*TINY_RES)
     qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2",
-        "--resolution", res, "--text-buckets", "128,")
+        "--resolution", res, "--text-buckets", "128")
     files = sorted(p.relative_to(out).as_posix() for p in (out / "weights").rglob("*.safetensors"))
     assert files == ["weights/denoiser/rank0.safetensors", "weights/denoiser/rank1.safetensors",
                      "weights/text_encoder/rank0.safetensors", "weights/text_encoder/rank1.safetensors",
@@ -559,7 +559,7 @@ def test_tp4_final_image_equals_tp1(tp_ckpt, workdir, cache_dir, tmp_path):
     from tests.conftest import SHORT_PROMPT, TINY_RES, image_diff, qic
     out = workdir / "bundle-tp4"
     qic("build", "--model", tp_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "4",
-        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,")
+        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128")
     png = tmp_path / "tp4.png"
     qic("run", out, "--prompt", SHORT_PROMPT, "--steps", "4", "--seed", "2", "--output", png)
     ref = generate(EagerModel(tp_ckpt, [TINY_RES], [128]), Request(SHORT_PROMPT, steps=4, seed=2)).image
