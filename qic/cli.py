@@ -40,7 +40,8 @@ def main():
 @click.option("--backend", help="inductor | neuron")
 @click.option("--device", help="cpu | cuda (inductor), neuron")
 @click.option("--tp", type=int, help="Tensor-parallel degree.")
-@click.option("--resolution", "resolutions", multiple=True, help="HxW, repeatable; replaces the config's list.")
+@click.option("--resolution", "resolutions", multiple=True,
+              help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's list.")
 @click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length.")
 @click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt).")
 @click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder.")
@@ -78,6 +79,7 @@ def inspect(bundle):
 @click.option("--seed", type=int, default=None, help="Noise seed (default 0).")
 @click.option("--height", type=int, help="Image height; one of the bundle's resolutions.")
 @click.option("--width", type=int, help="Image width; one of the bundle's resolutions.")
+@click.option("--aspect", help="Width:height, e.g. 16:9: the bundle's resolution of that aspect ratio.")
 @click.option("--output", "output", default=None, help="PNG file to write (default image.png).")
 @click.option("--prompts-file", type=click.Path(dir_okay=False),
               help="Resident mode: one prompt per line, or JSONL with per-line options.")

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from qic.errors import ConfigError
+from qic.host.aspect import PRESETS
 
 BACKENDS = ("inductor", "neuron")
 DEVICES = ("cpu", "cuda", "neuron")
@@ -111,12 +112,18 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
 
 
 def parse_resolution(value, source: str = "config") -> tuple[int, int]:
-    """'HxW' (height x width) -> (h, w)."""
+    """'HxW' (height x width) -> (h, w), or an official aspect preset such as '16:9' (width:height)."""
+    if ":" in str(value):
+        if str(value).strip() not in PRESETS:
+            raise ConfigError(f"{source}: resolution {value!r} is not a preset; presets (width:height): "
+                              + ", ".join(f"{k} = {h}x{w}" for k, (h, w) in PRESETS.items()))
+        return PRESETS[str(value).strip()]
     try:
         h, w = str(value).lower().split("x")
         res = int(h), int(w)
     except ValueError:
-        raise ConfigError(f"{source}: resolution {value!r} is not of the form HxW (e.g. 512x512)") from None
+        raise ConfigError(f"{source}: resolution {value!r} is not of the form HxW (e.g. 512x512) "
+                          f"or a preset ({', '.join(PRESETS)})") from None
     if min(res) <= 0:
         raise ConfigError(f"{source}: resolution {value!r} must be positive")
     return res

@@ -33,3 +33,29 @@ def test_a_step_is_its_own_key_and_flag(tmp_path):
             parse_spec({"text_bucket_step": bad})
     with pytest.raises(ConfigError, match="0 alone"):
         parse_spec({"text_buckets": "0,128"})
+
+
+def test_resolution_presets_in_flags_and_configs(tmp_path):
+    from qic.host.aspect import PRESETS
+    assert PRESETS["16:9"] == (928, 1664) and PRESETS["1:1"] == (1328, 1328)  # (height, width)
+    assert all(h % 16 == 0 and w % 16 == 0 for h, w in PRESETS.values())
+    spec = _spec(tmp_path, 'resolutions: ["16:9", "1104x1472"]\n')
+    assert spec.resolutions == ((928, 1664), (1104, 1472))
+    assert _spec(tmp_path, resolutions=["2:3", "3:2"]).resolutions == ((1584, 1056), (1056, 1584))
+    with pytest.raises(ConfigError, match="'5:4' is not a preset.*16:9 = 928x1664"):
+        parse_spec({"resolutions": ["5:4"]})
+
+
+def test_aspect_picks_a_bundle_resolution():
+    from qic.host.aspect import pick_resolution
+    built = [(48, 80), (32, 48), (928, 1664), (1328, 1328)]
+    assert pick_resolution("16:9", built) == (928, 1664)
+    assert pick_resolution("1:1", built) == (1328, 1328)
+    assert pick_resolution("5:3", built) == (48, 80)      # any W:H ratio, not only the presets
+    assert pick_resolution("3:2", built) == (32, 48)
+    assert pick_resolution("16:9", [(512, 912), (928, 1664)]) == (928, 1664)
+    assert pick_resolution("16:9", [(512, 912)]) == (512, 912)   # 912/512 = 1.781: the same ratio
+    with pytest.raises(ConfigError, match="no resolution of that aspect ratio.*48x80 \\(5:3\\)"):
+        pick_resolution("9:16", [(48, 80)])
+    with pytest.raises(ConfigError, match="W:H"):
+        pick_resolution("wide", built)

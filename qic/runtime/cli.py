@@ -15,7 +15,7 @@ from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from qic.runtime.png import save_png
 
-_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "output")
+_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output")
 
 
 def run_cli(bundle_path: str, options: dict) -> None:

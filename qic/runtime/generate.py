@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from qic.errors import ConfigError
+from qic.host.aspect import pick_resolution
 from qic.host.latents import initial_noise
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
@@ -29,6 +30,7 @@ class Request:
     seed: int = 0
     height: int | None = None
     width: int | None = None
+    aspect: str | None = None           # 'W:H': the bundle's resolution of that aspect ratio
 
 
 @dataclass
@@ -46,6 +48,10 @@ def validate(req: Request, bundle: Bundle) -> Request:
         raise ConfigError(f"steps must be a positive integer, got {req.steps!r}")
     if not isinstance(req.guidance, (int, float)) or not np.isfinite(req.guidance) or req.guidance < 0:
         raise ConfigError(f"guidance must be a finite number >= 0, got {req.guidance!r}")
+    if req.aspect is not None:
+        if req.height is not None or req.width is not None:
+            raise ConfigError("give --aspect or --height/--width, not both")
+        req.height, req.width = pick_resolution(req.aspect, bundle.resolutions)
     if req.height is None and req.width is None:
         req.height, req.width = bundle.resolutions[0]
     if req.height is None or req.width is None:
