@@ -14,6 +14,7 @@ import yaml
 
 from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
+from qic.host.schedule import check_overrides
 
 BACKENDS = ("inductor", "neuron")
 DEVICES = ("cpu", "cuda", "neuron")
@@ -21,7 +22,8 @@ COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
-        "output", "cache_dir", "layers", "full_hash")
+        "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults")
+DEFAULT_KEYS = ("steps", "guidance")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -44,6 +46,9 @@ class BuildSpec:
     # unrolled (docs/benchmarks.md). Components without blocks (the VAE) ignore it.
     layers: tuple[tuple[str, str], ...] = tuple((c, "looped") for c in COMPONENTS)
     full_hash: bool = False                        # hash checkpoint contents instead of trusting stat/blob ids
+    # Merged over the checkpoint's scheduler_config.json (e.g. the Lightning recipe's shifts).
+    scheduler: tuple[tuple[str, object], ...] = ()
+    defaults: tuple[tuple[str, object], ...] = ()  # qic run's steps / guidance when not given
 
     def dtype_of(self, component: str) -> str:
         return dict(self.dtype)[component]
@@ -108,7 +113,28 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         cache_dir=str(raw.get("cache_dir", d.cache_dir)),
         layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", source),
         full_hash=bool(raw.get("full_hash", False)),
+        scheduler=_scheduler(raw.get("scheduler") or {}, source),
+        defaults=_defaults(raw.get("defaults") or {}, source),
     )
+
+
+def _scheduler(value, source: str) -> tuple:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: scheduler must be a mapping of scheduler_config.json keys")
+    check_overrides(value, source)
+    return tuple(sorted(value.items()))
+
+
+def _defaults(value, source: str) -> tuple:
+    if not isinstance(value, Mapping) or set(value) - set(DEFAULT_KEYS):
+        raise ConfigError(f"{source}: defaults must be a mapping with keys {', '.join(DEFAULT_KEYS)}")
+    steps, guidance = value.get("steps"), value.get("guidance")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ConfigError(f"{source}: defaults.steps must be a positive integer, got {steps!r}")
+    if guidance is not None and (not isinstance(guidance, (int, float)) or isinstance(guidance, bool)
+                                 or not 0 <= guidance < float("inf")):
+        raise ConfigError(f"{source}: defaults.guidance must be a number >= 0, got {guidance!r}")
+    return tuple(sorted((k, v) for k, v in value.items() if v is not None))
 
 
 def parse_resolution(value, source: str = "config") -> tuple[int, int]:

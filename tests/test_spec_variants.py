@@ -59,3 +59,50 @@ def test_aspect_picks_a_bundle_resolution():
         pick_resolution("9:16", [(48, 80)])
     with pytest.raises(ConfigError, match="W:H"):
         pick_resolution("wide", built)
+
+
+def test_scheduler_overrides_are_validated():
+    spec = parse_spec({"scheduler": {"base_shift": 1.1, "shift_terminal": None}, "defaults": {"steps": 4}})
+    assert dict(spec.scheduler) == {"base_shift": 1.1, "shift_terminal": None} and dict(spec.defaults) == {"steps": 4}
+    for bad, expect in (({"base_shfit": 1.0}, "'base_shfit' is not a FlowMatchEulerDiscreteScheduler option"),
+                        ({"max_shift": "3"}, "scheduler.max_shift = '3' has the wrong type"),
+                        ({"shift_terminal": 1.5}, "shift_terminal must be in"),
+                        ({"use_dynamic_shifting": 1}, "use_dynamic_shifting = 1 has the wrong type")):
+        with pytest.raises(ConfigError, match=expect):
+            parse_spec({"scheduler": bad})
+    for bad in ({"steps": 0}, {"guidance": -1}, {"cfg": 1}):
+        with pytest.raises(ConfigError, match="defaults"):
+            parse_spec({"defaults": bad})
+    from qic.checkpoint.presets import QWEN_IMAGE_SCHEDULER
+    from qic.host.schedule import merge_scheduler
+    with pytest.raises(ConfigError, match="use_karras_sigmas"):
+        merge_scheduler(QWEN_IMAGE_SCHEDULER, {"use_karras_sigmas": True})
+
+
+@pytest.mark.parametrize("steps", [4, 8])
+def test_lightning_recipe_schedule_matches_diffusers(steps):
+    """configs/lightning.yaml's overrides on the real scheduler config give diffusers' sigmas bit for bit,
+    and differ from the default schedule (so the override is real)."""
+    import math
+
+    import torch
+
+    from qic.checkpoint.presets import QWEN_IMAGE_SCHEDULER
+    from qic.host.schedule import flow_match_schedule, merge_scheduler
+    from qic.spec import CONFIG_DIR
+    from tests.test_host import diffusers_schedule
+
+    spec = load_spec(CONFIG_DIR / "lightning.yaml")
+    over = dict(spec.scheduler)
+    assert over["base_shift"] == over["max_shift"] == pytest.approx(math.log(3)) and over["shift_terminal"] is None
+    assert dict(spec.defaults) == {"steps": 8, "guidance": 1.0}
+    merged = merge_scheduler(QWEN_IMAGE_SCHEDULER, over)
+    for seq_len in (1024, 6889, 6032):  # packed tokens at 512x512, 1328x1328 (1:1), 928x1664 (16:9)
+        ref_sigmas, ref_t = diffusers_schedule(merged, steps, seq_len)
+        ours = flow_match_schedule(merged, steps, seq_len)
+        assert torch.equal(ours.sigmas, ref_sigmas) and torch.equal(ours.timesteps, ref_t)
+        default = flow_match_schedule(QWEN_IMAGE_SCHEDULER, steps, seq_len).sigmas
+        assert (default - ours.sigmas).abs().max() > 1e-2
+        # mu = ln 3 at every length: the time shift is the fixed shift 3.
+        plain = torch.linspace(1, 1 / steps, steps)
+        assert torch.allclose(ours.sigmas[:-1], 3 * plain / (1 + 2 * plain), atol=1e-6)

@@ -82,7 +82,9 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
             "text_buckets": list(spec.text_buckets),
             "prompt": {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
             "tokenizer": "tokenizer",
-            "scheduler": ctx.scheduler,
+            "scheduler": ctx.scheduler,                       # the checkpoint's, overrides applied
+            "scheduler_overrides": dict(spec.scheduler),
+            "defaults": dict(spec.defaults),
             "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
                         "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
             "graphs": graphs,

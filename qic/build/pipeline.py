@@ -23,7 +23,7 @@ from qic.errors import ConfigError
 from qic.fsutil import sweep_stale
 from qic.host.latents import check_resolution
 from qic.host.prompt import TEMPLATE
-from qic.host.schedule import check_scheduler_config
+from qic.host.schedule import check_scheduler_config, merge_scheduler
 from qic.spec import BuildSpec
 from qic.tokenizer import load_tokenizer
 from qic.weights import mmap_safetensors
@@ -62,7 +62,7 @@ class Context:
         self.output = Path(spec.output)
         self.ckpt = resolve_model(spec.model, self.cache)
         self.raw = {f: self.ckpt.config(f) for f in ("text_encoder", "transformer", "vae")}
-        self.scheduler = self.ckpt.config("scheduler")
+        self.scheduler = merge_scheduler(self.ckpt.config("scheduler"), dict(spec.scheduler))
         self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in COMPONENTS.items()}
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
 

@@ -49,6 +49,7 @@ class Bundle:
         self.buckets = list(m["text_buckets"])
         self.latents = m["latents"]
         self.scheduler = m["scheduler"]
+        self.defaults = m.get("defaults", {})         # run defaults of the build config (steps, guidance)
         self.prompt = m["prompt"]
         shards: dict[str, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple, Graph] = {}

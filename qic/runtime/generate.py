@@ -21,12 +21,15 @@ from qic.host.schedule import flow_match_schedule
 from qic.runtime.bundle import Bundle
 
 
+DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
+
+
 @dataclass
 class Request:
     prompt: str
     negative_prompt: str | None = " "   # None: no negative prompt, so no CFG (as in diffusers)
-    steps: int = 20
-    guidance: float = 4.0
+    steps: int | None = None            # None: the bundle's run default (else DEFAULT_STEPS)
+    guidance: float | None = None       # None: the bundle's run default (else DEFAULT_GUIDANCE)
     seed: int = 0
     height: int | None = None
     width: int | None = None
@@ -44,6 +47,11 @@ class Result:
 def validate(req: Request, bundle: Bundle) -> Request:
     if not isinstance(req.prompt, str) or not req.prompt:
         raise ConfigError("prompt must be a non-empty string")
+    defaults = bundle.defaults
+    if req.steps is None:
+        req.steps = defaults.get("steps", DEFAULT_STEPS)
+    if req.guidance is None:
+        req.guidance = defaults.get("guidance", DEFAULT_GUIDANCE)
     if not isinstance(req.steps, int) or isinstance(req.steps, bool) or req.steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {req.steps!r}")
     if not isinstance(req.guidance, (int, float)) or not np.isfinite(req.guidance) or req.guidance < 0:
