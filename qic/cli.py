@@ -47,17 +47,19 @@ def main():
 @click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder.")
 @click.option("--layers", type=click.Choice(["unrolled", "looped"]),
               help="Transformer blocks unrolled in the graph, or one block looped over stacked weights.")
+@click.option("--lora", "loras", multiple=True,
+              help="FILE[:SCALE]: a LoRA merged into the denoiser's weights (repeatable; replaces the config's list).")
 @click.option("--output", help="Bundle directory to write.")
 @click.option("--cache-dir", help="Shard and compile cache directory.")
 @_friendly
-def build(config, model, backend, device, tp, resolutions, text_buckets, text_bucket_step, components, layers, output,
-          cache_dir):
+def build(config, model, backend, device, tp, resolutions, text_buckets, text_bucket_step, components, layers, loras,
+          output, cache_dir):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default configs/tiny.yaml)."""
     from qic.cli_build import run_build
     overrides = {"model": model, "backend": backend, "device": device, "tp": tp,
                  "resolutions": list(resolutions) or None, "text_buckets": text_buckets,
                  "text_bucket_step": text_bucket_step, "components": components, "layers": layers, "output": output,
-                 "cache_dir": cache_dir}
+                 "cache_dir": cache_dir, "loras": list(loras) or None}
     run_build(config, overrides)
 
 
@@ -75,7 +77,8 @@ def inspect(bundle):
 @click.option("--prompt", help="What to draw.")
 @click.option("--negative-prompt", default=None, help="What to steer away from (true CFG); default ' '.")
 @click.option("--steps", type=int, default=None, help="Denoising steps (default: the bundle's, else 20).")
-@click.option("--guidance", type=float, default=None, help="True CFG scale; <= 1 turns CFG off (default: the bundle's, else 4.0).")
+@click.option("--guidance", type=float, default=None,
+              help="True CFG scale; <= 1 turns CFG off (default: the bundle's, else 4.0).")
 @click.option("--seed", type=int, default=None, help="Noise seed (default 0).")
 @click.option("--height", type=int, help="Image height; one of the bundle's resolutions.")
 @click.option("--width", type=int, help="Image width; one of the bundle's resolutions.")
@@ -85,6 +88,8 @@ def inspect(bundle):
               help="Resident mode: one prompt per line, or JSONL with per-line options.")
 @click.option("--interactive", is_flag=True, help="Resident mode: read prompts from the terminal.")
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
+@click.option("--weights", "weights_from", type=click.Path(file_okay=False),
+              help="Run with another bundle's weights (same architecture: e.g. Qwen-Image-2512, a LoRA build).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
 @_friendly
 def run(bundle, **options):

@@ -22,7 +22,7 @@ COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
-        "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults")
+        "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras")
 DEFAULT_KEYS = ("steps", "guidance")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -49,6 +49,9 @@ class BuildSpec:
     # Merged over the checkpoint's scheduler_config.json (e.g. the Lightning recipe's shifts).
     scheduler: tuple[tuple[str, object], ...] = ()
     defaults: tuple[tuple[str, object], ...] = ()  # qic run's steps / guidance when not given
+    # Denoise step graphs: True = cond + uncond batched (true CFG), False = batch 1, one transformer call.
+    cfg: tuple[bool, ...] = (True,)
+    loras: tuple[tuple[str, float], ...] = ()     # (file, scale): merged into the denoiser's weights in stage 1
 
     def dtype_of(self, component: str) -> str:
         return dict(self.dtype)[component]
@@ -114,8 +117,38 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", source),
         full_hash=bool(raw.get("full_hash", False)),
         scheduler=_scheduler(raw.get("scheduler") or {}, source),
-        defaults=_defaults(raw.get("defaults") or {}, source),
+        defaults=(defaults := _defaults(raw.get("defaults") or {}, source)),
+        cfg=_cfg(raw.get("cfg"), dict(defaults), source),
+        loras=_loras(raw.get("loras") or [], source),
     )
+
+
+def _loras(value, source: str) -> tuple[tuple[str, float], ...]:
+    """A list of 'FILE[:SCALE]' strings or {file, scale} mappings."""
+    from qic.build.lora import parse_lora_arg
+    out = []
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, Mapping):
+            if "file" not in item or set(item) - {"file", "scale"}:
+                raise ConfigError(f"{source}: a loras entry must be FILE[:SCALE] or {{file, scale}}, got {item!r}")
+            path, scale = str(item["file"]), item.get("scale", 1.0)
+        else:
+            path, scale = parse_lora_arg(str(item))
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ConfigError(f"{source}: LoRA scale for {path} must be a number, got {scale!r}")
+        out.append((path, float(scale)))
+    return tuple(out)
+
+
+def _cfg(value, defaults: dict, source: str) -> tuple[bool, ...]:
+    """Which step graphs to build. Default: the CFG one, plus the no-CFG one when the run defaults have no
+    CFG (guidance <= 1), so both the defaults and an explicit --guidance run without a rebuild."""
+    if value is None:
+        return (True, False) if defaults.get("guidance", 4.0) <= 1 else (True,)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(isinstance(v, bool) for v in values):
+        raise ConfigError(f"{source}: cfg must be true, false, or a list of them (e.g. [true, false]), got {value!r}")
+    return tuple(sorted(set(values), reverse=True))
 
 
 def _scheduler(value, source: str) -> tuple:

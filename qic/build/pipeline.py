@@ -17,10 +17,12 @@ from qic.build import plans
 from qic.build.bundle import write_bundle
 from qic.build.components import COMPONENTS, expected_tensors
 from qic.build.graphs import TORCH_DTYPES, denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.build.lora import load_lora
 from qic.build.shard import shard_component
 from qic.build.source import resolve_model
 from qic.errors import ConfigError
 from qic.fsutil import sweep_stale
+from qic.graph_names import graph_name
 from qic.host.latents import check_resolution
 from qic.host.prompt import TEMPLATE
 from qic.host.schedule import check_scheduler_config, merge_scheduler
@@ -30,6 +32,9 @@ from qic.weights import mmap_safetensors
 
 # Which checkpoint configs each component's graphs depend on (the denoiser step packs latents by the VAE's scale).
 _CONFIG_DEPS = {"text_encoder": ("text_encoder",), "denoiser": ("transformer", "vae"), "vae_decoder": ("vae",)}
+# Config entries that say which tool wrote a file, not what the graph computes: a checkpoint variant saved by
+# another diffusers/transformers (Qwen-Image-2512 vs Qwen-Image) keeps the spec key, so it exports nothing.
+_PROVENANCE_KEYS = ("_diffusers_version", "_name_or_path", "transformers_version", "_commit_hash")
 
 
 @dataclass
@@ -65,6 +70,7 @@ class Context:
         self.scheduler = merge_scheduler(self.ckpt.config("scheduler"), dict(spec.scheduler))
         self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in COMPONENTS.items()}
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
+        self.loras = ()    # checked by validate()
 
 
 def validate(spec: BuildSpec, ctx: Context) -> None:
@@ -80,6 +86,12 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
                               f"with an empty prompt); use buckets > {template_len}")
     for name in spec.components:
         expected_tensors(COMPONENTS[name], ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
+    if spec.loras:
+        if "denoiser" not in spec.components:
+            raise ConfigError("LoRAs are merged into the denoiser, which this build leaves out",
+                              "add denoiser to --components, or drop --lora")
+        weights = ctx.ckpt.weights(COMPONENTS["denoiser"].folder).tensors
+        ctx.loras = tuple(load_lora(path, scale, weights) for path, scale in spec.loras)
 
 
 def _looped(spec: BuildSpec, component: str) -> bool:
@@ -107,7 +119,8 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         comp = COMPONENTS[name]
         t = time.perf_counter()
         res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp_of(name, spec.tp), spec.dtype_of(name),
-                              ctx.cache, _tick(progress, "shard", name), looped=_looped(spec, name))
+                              ctx.cache, _tick(progress, "shard", name), looped=_looped(spec, name),
+                              loras=ctx.loras if name == "denoiser" else ())
         shards[name] = res
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
 
@@ -117,7 +130,8 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
     artifacts = []
     for gspec in plan_graphs(spec, ctx):
         comp_name, maker, shape = gspec
-        configs = {f: ctx.raw[f] for f in _CONFIG_DEPS[comp_name]}
+        configs = {f: {k: v for k, v in ctx.raw[f].items() if k not in _PROVENANCE_KEYS}
+                   for f in _CONFIG_DEPS[comp_name]}
         dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
         skey = stage2.spec_key(_graph_name(comp_name, shape), {**shape, "looped": _looped(spec, comp_name)}, dtype,
                                tp_of(comp_name, spec.tp), configs, identity, code)
@@ -152,8 +166,11 @@ def plan_graphs(spec: BuildSpec, ctx: Context):
         cfg, dtype = ctx.configs["denoiser"], spec.dtype_of("denoiser")
         for h, w in spec.resolutions:
             for b in spec.text_buckets:
-                out.append(("denoiser", lambda m, h=h, w=w, b=b: denoiser_graph(m, cfg, vae_scale, h, w, b, dtype),
-                            {"resolution": [h, w], "bucket": b}))
+                for guided in spec.cfg:
+                    # The CFG graph's shape has no "cfg" entry: its name and spec key predate the no-CFG graph.
+                    shape = {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False})
+                    out.append(("denoiser", lambda m, h=h, w=w, b=b, g=guided: denoiser_graph(
+                        m, cfg, vae_scale, h, w, b, dtype, cfg=g), shape))
     if "vae_decoder" in spec.components:
         for h, w in spec.resolutions:
             out.append(("vae_decoder", lambda m, h=h, w=w: vae_decoder_graph(m, h, w), {"resolution": [h, w]}))
@@ -161,12 +178,7 @@ def plan_graphs(spec: BuildSpec, ctx: Context):
 
 
 def _graph_name(component: str, shape: dict) -> str:
-    parts = [component]
-    if "resolution" in shape:
-        parts.append("{}x{}".format(*shape["resolution"]))
-    if "bucket" in shape:
-        parts.append(f"L{shape['bucket'] or 'exact'}")
-    return "@".join(parts)
+    return graph_name(component, shape.get("resolution"), shape.get("bucket"), shape.get("cfg", True))
 
 
 def _bound_module(ctx: Context, component: str, weights_path: Path) -> torch.nn.Module:

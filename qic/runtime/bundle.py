@@ -11,6 +11,7 @@ import torch
 from qic import __version__
 from qic.backends.loaders import load_graph
 from qic.errors import BundleError, ConfigError
+from qic.graph_names import graph_name
 from qic.manifest import check_compatible, read_manifest, verify_files
 from qic.tokenizer import load_tokenizer
 from qic.weights import mmap_safetensors
@@ -32,7 +33,11 @@ class Graph:
 class Bundle:
     """A verified, loaded bundle: tokenizer, settings, and graphs by (component, resolution, bucket)."""
 
-    def __init__(self, path: str | Path, device: str | None = None, rank: int = 0, world: int = 1):
+    def __init__(self, path: str | Path, device: str | None = None, rank: int = 0, world: int = 1,
+                 weights_from: str | Path | None = None):
+        """weights_from: another bundle whose weights (e.g. another checkpoint of the same architecture, or a
+        LoRA-merged build) this bundle's graphs run with; refused unless every weight tensor the graphs take
+        has the same name, shape and dtype there."""
         t0 = time.perf_counter()
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
@@ -44,6 +49,8 @@ class Bundle:
             raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}, but {world} rank(s) run it",
                               f"run it with --tp {m['tp']}")
         self.rank, self.world = rank, world
+        other = _weights_bundle(weights_from, m) if weights_from is not None else None
+        self.weights_id = other[1]["id"] if other else None    # the bundle whose weights run, if not this one
         self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
         self.resolutions = [tuple(r) for r in m["resolutions"]]
         self.buckets = list(m["text_buckets"])
@@ -59,6 +66,8 @@ class Bundle:
             rel = g["weights"][rank] if len(g["weights"]) > 1 else g["weights"][0]
             if rel not in shards:
                 shards[rel] = mmap_safetensors(self.path / rel)
+                if other is not None:
+                    shards[rel] = _swap_weights(shards[rel], other, g["component"], rank)
             constants.update({g["weight_prefix"] + k: v for k, v in shards[rel].items()})
             if g["constants_file"]:
                 constants.update(mmap_safetensors(self.path / g["constants_file"]))
@@ -75,22 +84,53 @@ class Bundle:
     def id(self) -> str:
         return self.manifest["id"]
 
-    def graph(self, component: str, resolution=None, bucket=None) -> Graph:
-        name = component
-        if resolution is not None:
-            name += "@{}x{}".format(*resolution)
-        if bucket is not None:
-            name += f"@L{bucket or 'exact'}"
+    def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True) -> Graph:
+        name = graph_name(component, resolution, bucket, cfg)
         try:
             return self.graphs[_key(component, name)]
         except KeyError:
             raise BundleError(f"{self.path}: no graph {name} in this bundle") from None
+
+    def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True) -> bool:
+        return _key(component, graph_name(component, resolution, bucket, cfg)) in self.graphs
 
     def check_resolution(self, height: int, width: int) -> None:
         if (height, width) not in self.resolutions:
             have = ", ".join(f"{h}x{w}" for h, w in self.resolutions)
             raise ConfigError(f"resolution {height}x{width} is not in this bundle (it has: {have})",
                               "pick one of those, or rebuild with --resolution")
+
+
+def _weights_bundle(path, manifest: dict) -> tuple[Path, dict]:
+    """The other bundle, verified like this one, with the same TP degree."""
+    path = Path(path)
+    other = read_manifest(path)
+    check_compatible(other, __version__, torch.__version__)
+    verify_files(path, other)
+    if other["tp"] != manifest["tp"]:
+        raise BundleError(f"--weights {path}: built for tp={other['tp']}, this bundle for tp={manifest['tp']}")
+    return path, other
+
+
+def _swap_weights(mine: dict, other: tuple[Path, dict], component: str, rank: int) -> dict:
+    path, m = other
+    files = next((g["weights"] for g in m["graphs"] if g["component"] == component), None)
+    if files is None:
+        raise BundleError(f"--weights {path}: that bundle has no {component} weights",
+                          "build it with the same --components")
+    theirs = mmap_safetensors(path / (files[rank] if len(files) > 1 else files[0]))
+    for name, t in mine.items():
+        o = theirs.get(name)
+        if o is None or o.shape != t.shape or o.dtype != t.dtype:
+            got = "missing" if o is None else f"{list(o.shape)} {o.dtype}"
+            raise BundleError(f"--weights {path}: graph signatures differ: {component} tensor {name} is {got} there, "
+                              f"the graphs take {list(t.shape)} {t.dtype}",
+                              "use a bundle of the same architecture, dtype and layers (looped/unrolled)")
+    extra = sorted(set(theirs) - set(mine))
+    if extra:
+        raise BundleError(f"--weights {path}: graph signatures differ: {component} tensor {extra[0]} is not an "
+                          "input of these graphs")
+    return theirs
 
 
 def _key(component: str, name: str) -> tuple:

@@ -54,7 +54,7 @@ def serve(bundle_path_or_rank, *args) -> None:
         bundle_path, options, rank, world = bundle_path_or_rank, *args
     base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
     t0 = time.perf_counter()
-    bundle = Bundle(bundle_path, rank=rank, world=world)
+    bundle = Bundle(bundle_path, rank=rank, world=world, weights_from=options.get("weights_from"))
     load = time.perf_counter() - t0
     verbose = options.get("verbose")
     lead = rank == 0
@@ -88,7 +88,7 @@ def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, res
     if not lead:
         return
     t = time.perf_counter()
-    path = save_png(result, bundle.id, output)
+    path = save_png(result, bundle.id, output, bundle.weights_id)
     result.timings["save"] = time.perf_counter() - t
     print(f"wrote {path}")
     if verbose:

@@ -20,7 +20,6 @@ from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.runtime.bundle import Bundle
 
-
 DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
 
 
@@ -72,9 +71,12 @@ def generate(bundle: Bundle, req: Request) -> Result:
     req = validate(req, bundle)
     times: dict = {}
     t = time.perf_counter()
-    # True CFG as diffusers does it: on when guidance > 1 and a negative prompt is given. Off, the uncond
-    # row repeats the prompt with guidance 1, which makes the combination exactly the cond prediction.
+    # True CFG as diffusers does it: on when guidance > 1 and a negative prompt is given. Off, the no-CFG
+    # step graph (batch 1, one transformer call a step) runs when the bundle has it; else the CFG graph
+    # with the uncond row repeating the prompt and guidance 1, which makes the combination exactly the
+    # cond prediction at twice the cost.
     cfg = req.guidance > 1 and req.negative_prompt is not None
+    res = (req.height, req.width)
     drop = bundle.prompt["drop_tokens"]
     ids_pos = _ids(bundle, req.prompt)
     ids_neg = _ids(bundle, req.negative_prompt) if cfg else ids_pos
@@ -84,6 +86,10 @@ def generate(bundle: Bundle, req: Request) -> Result:
                           f"{bundle.prompt['max_tokens'] + drop}")
     bucket = pick_bucket(longest, bundle.buckets)
     length = bucket or longest
+    batched = cfg or not bundle.has_graph("denoiser", res, bucket, cfg=False)
+    if cfg and not bundle.has_graph("denoiser", res, bucket, cfg=True):
+        raise ConfigError(f"guidance {req.guidance} asks for true CFG, but this bundle has only the no-CFG step graph",
+                          "run with --guidance 1, or rebuild with `cfg: [true, false]` in the config")
     times["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -97,7 +103,7 @@ def generate(bundle: Bundle, req: Request) -> Result:
         hidden = encoder(padded, mask)[0]
         embeds.append(hidden[:, drop:])
         masks.append(mask[:, drop:])
-    if not cfg:
+    if batched and not cfg:
         embeds, masks = embeds * 2, masks * 2
     text = torch.cat(embeds, 0)
     text_mask = torch.cat(masks, 0)
@@ -107,12 +113,12 @@ def generate(bundle: Bundle, req: Request) -> Result:
     sf = lat["vae_scale_factor"]
     noise = initial_noise(req.seed, lat["z_dim"], req.height, req.width, sf)
     schedule = flow_match_schedule(bundle.scheduler, req.steps, noise.shape[1])
-    step = bundle.graph("denoiser", (req.height, req.width), bucket)
-    guidance = torch.tensor(float(req.guidance) if cfg else 1.0, dtype=torch.float32)
+    step = bundle.graph("denoiser", res, bucket, cfg=batched)
+    guidance = [torch.tensor(float(req.guidance) if cfg else 1.0, dtype=torch.float32)] if batched else []
     x = noise
     for i in range(req.steps):
         t = time.perf_counter()
-        x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], guidance)[0]
+        x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], *guidance)[0]
         times[f"step{i}"] = time.perf_counter() - t
 
     t = time.perf_counter()

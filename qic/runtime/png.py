@@ -10,13 +10,15 @@ from PIL.PngImagePlugin import PngInfo
 from qic.fsutil import write_bytes_atomic
 
 
-def save_png(result, bundle_id: str, path: str | Path) -> Path:
+def save_png(result, bundle_id: str, path: str | Path, weights_id: str | None = None) -> Path:
     req = result.request
     info = PngInfo()
     for key, value in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt), ("seed", req.seed),
                        ("steps", req.steps), ("guidance", req.guidance), ("bundle", bundle_id),
                        ("resolution", f"{req.height}x{req.width}")):
         info.add_itxt(key, "" if value is None else str(value))
+    if weights_id:
+        info.add_itxt("weights", weights_id)
     buf = io.BytesIO()
     result.image.save(buf, format="PNG", pnginfo=info)
     path = Path(path)
