@@ -51,21 +51,26 @@ def main() -> None:
     req = dict(prompt=PROMPT, steps=args.steps, guidance=1.0, seed=0, height=h, width=w)
     images = {}
     times: dict[str, list] = {"no-CFG graph (batch 1)": [], "CFG graph (batch 2)": []}
+    steps: dict[str, list] = {k: [] for k in times}
     for i in range(args.images + 1):  # the first round warms both up
         for label, bundle in zip(times, (b, forced)):
             t = time.perf_counter()
-            images[label] = generate(bundle, Request(**req)).image
+            result = generate(bundle, Request(**req))
+            images[label] = result.image
             if i:
                 times[label].append(time.perf_counter() - t)
+                steps[label] += [v for k, v in result.timings.items() if k.startswith("step")]
     a, c = (np.asarray(im).astype(int) for im in images.values())
     same = int(np.abs(a - c).max())
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["CFG graph (batch 2)"]
+    step = {k: statistics.median(v) for k, v in steps.items()}
+    base, base_step = med["CFG graph (batch 2)"], step["CFG graph (batch 2)"]
     print(f"preset {args.preset}, {h}x{w}, {args.steps} steps, guidance 1, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; images differ by at most {same}/255")
-    print("| step graph at guidance 1 | per image (median) | vs CFG graph |\n|---|--:|--:|")
+    print("| step graph at guidance 1 | per image (median) | speed-up | per step (median) | speed-up |\n"
+          "|---|--:|--:|--:|--:|")
     for k, v in med.items():
-        print(f"| {k} | {v:.3f} s | {base / v:.2f}x |")
+        print(f"| {k} | {v:.3f} s | {base / v:.2f}x | {step[k] * 1e3:.0f} ms | {base_step / step[k]:.2f}x |")
 
 
 if __name__ == "__main__":
