@@ -125,7 +125,6 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
 
 def _loras(value, source: str) -> tuple[tuple[str, float], ...]:
     """A list of 'FILE[:SCALE]' strings or {file, scale} mappings."""
-    from qic.build.lora import parse_lora_arg
     out = []
     for item in value if isinstance(value, (list, tuple)) else [value]:
         if isinstance(item, Mapping):
@@ -138,6 +137,17 @@ def _loras(value, source: str) -> tuple[tuple[str, float], ...]:
             raise ConfigError(f"{source}: LoRA scale for {path} must be a number, got {scale!r}")
         out.append((path, float(scale)))
     return tuple(out)
+
+
+def parse_lora_arg(value: str) -> tuple[str, float]:
+    """'FILE[:SCALE]' -> (file, scale); a colon not followed by a number belongs to the path."""
+    path, sep, tail = str(value).rpartition(":")
+    if sep:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return str(value), 1.0
 
 
 def _cfg(value, defaults: dict, source: str) -> tuple[bool, ...]:

@@ -106,3 +106,16 @@ def test_lightning_recipe_schedule_matches_diffusers(steps):
         # mu = ln 3 at every length: the time shift is the fixed shift 3.
         plain = torch.linspace(1, 1 / steps, steps)
         assert torch.allclose(ours.sigmas[:-1], 3 * plain / (1 + 2 * plain), atol=1e-6)
+
+
+def test_lora_flags_and_config_entries():
+    spec = parse_spec({"loras": ["a.safetensors", "dir/b.safetensors:0.5", {"file": "c:d.safetensors", "scale": 2}]})
+    assert spec.loras == (("a.safetensors", 1.0), ("dir/b.safetensors", 0.5), ("c:d.safetensors", 2.0))
+    for bad in ([{"path": "x"}], [{"file": "x", "scale": "big"}]):
+        with pytest.raises(ConfigError, match="loras entry|LoRA scale"):
+            parse_spec({"loras": bad})
+    assert parse_spec({"cfg": [False, True]}).cfg == (True, False)
+    assert parse_spec({"defaults": {"guidance": 1.0}}).cfg == (True, False)   # no-CFG defaults: both graphs
+    assert parse_spec({}).cfg == (True,)
+    with pytest.raises(ConfigError, match="cfg must be"):
+        parse_spec({"cfg": "yes"})

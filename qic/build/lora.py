@@ -31,17 +31,6 @@ _PARTS = {"lora_A.weight": "down", "lora_B.weight": "up", "lora_down.weight": "d
 _METADATA_KEY = "lora_adapter_metadata"   # diffusers' save_lora_weights: the PEFT LoraConfig as JSON
 
 
-def parse_lora_arg(value: str) -> tuple[str, float]:
-    """'FILE[:SCALE]' -> (file, scale); a colon not followed by a number belongs to the path."""
-    path, sep, tail = str(value).rpartition(":")
-    if sep:
-        try:
-            return path, float(tail)
-        except ValueError:
-            pass
-    return str(value), 1.0
-
-
 @dataclass
 class _Module:
     down: str | None = None      # key in the file
