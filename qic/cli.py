@@ -40,11 +40,15 @@ def main():
 @click.option("--backend", help="inductor | neuron")
 @click.option("--device", help="cpu | cuda (inductor), neuron")
 @click.option("--tp", type=int, help="Tensor-parallel degree.")
-@click.option("--resolution", "resolutions", multiple=True, help="HxW, repeatable; replaces the config's list.")
-@click.option("--text-buckets", help="Comma-separated lengths, a step (e.g. 64), or 0 for exact length.")
+@click.option("--resolution", "resolutions", multiple=True,
+              help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's list.")
+@click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length.")
+@click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt).")
 @click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder.")
 @click.option("--layers", type=click.Choice(["unrolled", "looped"]),
               help="Transformer blocks unrolled in the graph, or one block looped over stacked weights.")
+@click.option("--lora", "loras", multiple=True,
+              help="FILE[:SCALE]: a LoRA merged into the denoiser's weights (repeatable; replaces the config's list).")
 @click.option("--output", help="Bundle directory to write.")
 @click.option("--cache-dir", help="Shard and compile cache directory.")
 @click.option("--cache-from", help="Remote compile store to pull hits from: hf://ORG/REPO or a directory.")
@@ -52,14 +56,14 @@ def main():
               help="Public key (hex or .pub file) whose signatures make remote entries usable; repeatable.")
 @click.option("--cache-trusted", is_flag=True, default=None, help="Use the remote store's entries unsigned.")
 @_friendly
-def build(config, model, backend, device, tp, resolutions, text_buckets, components, layers, output, cache_dir,
-          cache_from, cache_public_keys, cache_trusted):
+def build(config, model, backend, device, tp, resolutions, text_buckets, text_bucket_step, components, layers, loras,
+          output, cache_dir, cache_from, cache_public_keys, cache_trusted):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default configs/tiny.yaml)."""
     from qic.cli_build import run_build
     overrides = {"model": model, "backend": backend, "device": device, "tp": tp,
                  "resolutions": list(resolutions) or None, "text_buckets": text_buckets,
-                 "components": components, "layers": layers, "output": output,
-                 "cache_dir": cache_dir, "cache_from": cache_from,
+                 "text_bucket_step": text_bucket_step, "components": components, "layers": layers, "output": output,
+                 "cache_dir": cache_dir, "loras": list(loras) or None, "cache_from": cache_from,
                  "cache_public_keys": list(cache_public_keys) or None, "cache_trusted": cache_trusted}
     run_build(config, overrides)
 
@@ -164,11 +168,13 @@ def inspect(bundle, verify):
 @click.argument("bundle", type=click.Path())
 @click.option("--prompt", help="What to draw.")
 @click.option("--negative-prompt", default=None, help="What to steer away from (true CFG); default ' '.")
-@click.option("--steps", type=int, default=None, help="Denoising steps (default 20).")
-@click.option("--guidance", type=float, default=None, help="True CFG scale; <= 1 turns CFG off (default 4.0).")
+@click.option("--steps", type=int, default=None, help="Denoising steps (default: the bundle's, else 20).")
+@click.option("--guidance", type=float, default=None,
+              help="True CFG scale; <= 1 turns CFG off (default: the bundle's, else 4.0).")
 @click.option("--seed", type=int, default=None, help="Noise seed (default 0).")
 @click.option("--height", type=int, help="Image height; one of the bundle's resolutions.")
 @click.option("--width", type=int, help="Image width; one of the bundle's resolutions.")
+@click.option("--aspect", help="Width:height, e.g. 16:9: the bundle's resolution of that aspect ratio.")
 @click.option("--output", "output", default=None, help="PNG file to write (default image.png).")
 @click.option("--prompts-file", type=click.Path(dir_okay=False),
               help="Resident mode: one prompt per line, or JSONL with per-line options.")
@@ -177,6 +183,8 @@ def inspect(bundle, verify):
 @click.option("--device", default=None,
               help="Where to run (default: the bundle's): cpu | cuda for inductor bundles; "
                    "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU).")
+@click.option("--weights", "weights_from", type=click.Path(file_okay=False),
+              help="Run with another bundle's weights (same architecture: e.g. Qwen-Image-2512, a LoRA build).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
 @click.option("--verify-all", is_flag=True,
               help="Re-hash every weight file, not only those changed since they were last verified.")

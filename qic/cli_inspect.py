@@ -24,6 +24,12 @@ def run_inspect(bundle: str, full: bool = False) -> None:
               f"back end {manifest['backend']['backend']} on {manifest['device']}, tp {manifest['tp']}")
     out.print(f"dtypes {manifest['dtypes']}; resolutions "
               f"{', '.join('{}x{}'.format(*r) for r in manifest['resolutions'])}; text buckets {manifest['text_buckets']}")
+    for lo in manifest.get("loras", []):
+        out.print(f"LoRA merged: {lo['file']} (scale {lo['scale']}, sha256 {lo['sha256'][:12]})")
+    if manifest.get("scheduler_overrides"):
+        out.print(f"scheduler overrides {manifest['scheduler_overrides']}")
+    if manifest.get("defaults"):
+        out.print(f"run defaults {manifest['defaults']}")
     neuron = manifest["backend"]["backend"] == "neuron"
     if neuron:
         state = ("lower-only: HLO modules checked on XLA:CPU, no NEFFs (neuronx-cc was absent at build)"

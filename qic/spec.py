@@ -13,15 +13,18 @@ from pathlib import Path
 import yaml
 
 from qic.errors import ConfigError
+from qic.host.aspect import PRESETS
+from qic.host.schedule import check_overrides
 
 BACKENDS = ("inductor", "neuron")
 DEVICES = ("cpu", "cuda", "neuron")
 COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
-KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "components", "output",
-        "cache_dir", "layers", "full_hash", "compiler_args", "lnc", "cache_from", "cache_public_keys",
-        "cache_trusted")
+KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
+        "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
+        "cache_from", "cache_public_keys", "cache_trusted")
+DEFAULT_KEYS = ("steps", "guidance")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -44,6 +47,12 @@ class BuildSpec:
     # unrolled (docs/benchmarks.md). Components without blocks (the VAE) ignore it.
     layers: tuple[tuple[str, str], ...] = tuple((c, "looped") for c in COMPONENTS)
     full_hash: bool = False                        # hash checkpoint contents instead of trusting stat/blob ids
+    # Merged over the checkpoint's scheduler_config.json (e.g. the Lightning recipe's shifts).
+    scheduler: tuple[tuple[str, object], ...] = ()
+    defaults: tuple[tuple[str, object], ...] = ()  # qic run's steps / guidance when not given
+    # Denoise step graphs: True = cond + uncond batched (true CFG), False = batch 1, one transformer call.
+    cfg: tuple[bool, ...] = (True,)
+    loras: tuple[tuple[str, float], ...] = ()     # (file, scale): merged into the denoiser's weights in stage 1
     # neuron back end: extra neuronx-cc flags per component, and the logical NeuronCore size (trn2: 1 or 2)
     compiler_args: tuple[tuple[str, str], ...] = ()
     lnc: int = 1
@@ -70,6 +79,10 @@ def load_spec(config_path: str | Path | None = None, overrides: Mapping | None =
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if "backend" in overrides and "device" not in overrides:
         raw.pop("device", None)  # the config's device belonged to its back end; use the new one's default
+    # A flag for either form of text buckets replaces the config's buckets in whichever form it gave them.
+    for flag, other in (("text_buckets", "text_bucket_step"), ("text_bucket_step", "text_buckets")):
+        if flag in overrides and other not in overrides:
+            raw.pop(other, None)
     merged = {**raw, **overrides}
     return parse_spec(merged, source=str(path))
 
@@ -112,18 +125,81 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         tp=tp,
         dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", source),
         resolutions=tuple(parse_resolution(r, source) for r in _as_list(raw.get("resolutions", ["48x80"]))),
-        text_buckets=parse_buckets(raw.get("text_buckets", list(d.text_buckets)), source),
+        text_buckets=_buckets(raw, source),
         components=tuple(c for c in COMPONENTS if c in components),
         output=str(raw.get("output", d.output)),
         cache_dir=str(raw.get("cache_dir", d.cache_dir)),
         layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", source),
         full_hash=bool(raw.get("full_hash", False)),
+        scheduler=_scheduler(raw.get("scheduler") or {}, source),
+        defaults=(defaults := _defaults(raw.get("defaults") or {}, source)),
+        cfg=_cfg(raw.get("cfg"), dict(defaults), source),
+        loras=_loras(raw.get("loras") or [], source),
         compiler_args=_compiler_args(raw.get("compiler_args", {}), source),
         lnc=_choice(raw.get("lnc", 1), (1, 2), "lnc", source),
         cache_from=str(raw["cache_from"]) if raw.get("cache_from") else None,
         cache_public_keys=tuple(str(k) for k in _as_list(raw.get("cache_public_keys") or [])),
         cache_trusted=bool(raw.get("cache_trusted", False)),
     )
+
+
+def _loras(value, source: str) -> tuple[tuple[str, float], ...]:
+    """A list of 'FILE[:SCALE]' strings or {file, scale} mappings."""
+    out = []
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, Mapping):
+            if "file" not in item or set(item) - {"file", "scale"}:
+                raise ConfigError(f"{source}: a loras entry must be FILE[:SCALE] or {{file, scale}}, got {item!r}")
+            path, scale = str(item["file"]), item.get("scale", 1.0)
+        else:
+            path, scale = parse_lora_arg(str(item))
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ConfigError(f"{source}: LoRA scale for {path} must be a number, got {scale!r}")
+        out.append((path, float(scale)))
+    return tuple(out)
+
+
+def parse_lora_arg(value: str) -> tuple[str, float]:
+    """'FILE[:SCALE]' -> (file, scale); a colon not followed by a number belongs to the path."""
+    path, sep, tail = str(value).rpartition(":")
+    if sep:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return str(value), 1.0
+
+
+def _cfg(value, defaults: dict, source: str) -> tuple[bool, ...]:
+    """Which step graphs to build. Default: the CFG one, plus the no-CFG one when the run defaults have no
+    CFG (guidance <= 1), so both the defaults and an explicit --guidance run without a rebuild."""
+    if value is None:
+        return (True, False) if defaults.get("guidance", 4.0) <= 1 else (True,)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(isinstance(v, bool) for v in values):
+        raise ConfigError(f"{source}: cfg must be true, false, or a list of them (e.g. [true, false]), got {value!r}")
+    return tuple(sorted(set(values), reverse=True))
+
+
+def _scheduler(value, source: str) -> tuple:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: scheduler must be a mapping of scheduler_config.json keys")
+    check_overrides(value, source)
+    return tuple(sorted(value.items()))
+
+
+def _defaults(value, source: str) -> tuple:
+    if not isinstance(value, Mapping) or set(value) - set(DEFAULT_KEYS):
+        raise ConfigError(f"{source}: defaults must be a mapping with keys {', '.join(DEFAULT_KEYS)}")
+    steps, guidance = value.get("steps"), value.get("guidance")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ConfigError(f"{source}: defaults.steps must be a positive integer, got {steps!r}")
+    if guidance is not None and (not isinstance(guidance, (int, float)) or isinstance(guidance, bool)
+                                 or not 0 <= guidance < float("inf")):
+        raise ConfigError(f"{source}: defaults.guidance must be a number >= 0, got {guidance!r}")
+    return tuple(sorted((k, v) for k, v in value.items() if v is not None))
+
+
 
 
 def _compiler_args(value, source: str) -> tuple[tuple[str, str], ...]:
@@ -139,37 +215,57 @@ def _compiler_args(value, source: str) -> tuple[tuple[str, str], ...]:
 
 
 def parse_resolution(value, source: str = "config") -> tuple[int, int]:
-    """'HxW' (height x width) -> (h, w)."""
+    """'HxW' (height x width) -> (h, w), or an official aspect preset such as '16:9' (width:height)."""
+    if ":" in str(value):
+        if str(value).strip() not in PRESETS:
+            raise ConfigError(f"{source}: resolution {value!r} is not a preset; presets (width:height): "
+                              + ", ".join(f"{k} = {h}x{w}" for k, (h, w) in PRESETS.items()))
+        return PRESETS[str(value).strip()]
     try:
         h, w = str(value).lower().split("x")
         res = int(h), int(w)
     except ValueError:
-        raise ConfigError(f"{source}: resolution {value!r} is not of the form HxW (e.g. 512x512)") from None
+        raise ConfigError(f"{source}: resolution {value!r} is not of the form HxW (e.g. 512x512) "
+                          f"or a preset ({', '.join(PRESETS)})") from None
     if min(res) <= 0:
         raise ConfigError(f"{source}: resolution {value!r} must be positive")
     return res
 
 
 def parse_buckets(value, source: str = "config") -> tuple[int, ...]:
-    """A list of lengths, a step ('64' or 64: 64, 128, ... up to the limit), or 0 for exact length."""
-    if isinstance(value, str) and "," in value:
+    """Text buckets as written: a list or comma-separated lengths ('72,128'), one length ('128' or 128 is
+    the one bucket 128), or 0 alone for exact length (one graph with a dynamic text dimension)."""
+    if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple)):
-        try:
-            buckets = tuple(sorted({int(v) for v in value}))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source}: text_buckets {value!r} must be integers") from None
-    else:
-        try:
-            step = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source}: text_buckets {value!r} must be a list, a step, or 0") from None
-        if step < 0:
-            raise ConfigError(f"{source}: text_buckets step must be >= 0, got {step}")
-        buckets = (0,) if step == 0 else tuple(range(step, MAX_TEXT_BUCKET + step, step))
+    elif not isinstance(value, (list, tuple)):
+        value = [value]
+    try:
+        buckets = tuple(sorted({int(v) for v in value}))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: text_buckets {value!r} must be integers (e.g. 128 or 72,128)") from None
     if not buckets or any(b < 0 for b in buckets) or (0 in buckets and len(buckets) > 1):
         raise ConfigError(f"{source}: text_buckets {value!r}: use positive lengths, or 0 alone for exact length")
     return buckets
+
+
+def bucket_steps(step, source: str = "config") -> tuple[int, ...]:
+    """text_bucket_step N: the buckets N, 2N, ... up to the first one that holds the longest prompt."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        try:
+            step = int(str(step).strip())
+        except ValueError:
+            raise ConfigError(f"{source}: text_bucket_step {step!r} must be a positive integer") from None
+    if step <= 0:
+        raise ConfigError(f"{source}: text_bucket_step must be a positive integer, got {step}")
+    return tuple(range(step, MAX_TEXT_BUCKET + step, step))
+
+
+def _buckets(raw: Mapping, source: str) -> tuple[int, ...]:
+    if "text_bucket_step" in raw and "text_buckets" in raw:
+        raise ConfigError(f"{source}: give text_buckets or text_bucket_step, not both")
+    if "text_bucket_step" in raw:
+        return bucket_steps(raw["text_bucket_step"], source)
+    return parse_buckets(raw.get("text_buckets", list(BuildSpec.text_buckets)), source)
 
 
 def _as_list(v):

@@ -561,7 +561,7 @@ def test_tp4_final_image_equals_tp1(tp_ckpt, workdir, cache_dir, tmp_path):
     from tests.conftest import SHORT_PROMPT, TINY_RES, image_diff, qic
     out = workdir / "bundle-tp4"
     qic("build", "--model", tp_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "4",
-        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,")
+        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128")
     png = tmp_path / "tp4.png"
     qic("run", out, "--prompt", SHORT_PROMPT, "--steps", "4", "--seed", "2", "--output", png)
     ref = generate(EagerModel(tp_ckpt, [TINY_RES], [128]), Request(SHORT_PROMPT, steps=4, seed=2)).image

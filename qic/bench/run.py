@@ -54,7 +54,7 @@ def main() -> None:
     bundle = args.dir / f"bundle-{args.preset}"
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "qic.cli", "build", "--model", str(ckpt), "--output", str(bundle),
-                    "--cache-dir", str(args.dir / "cache"), "--resolution", f"{h}x{w}", "--text-buckets", "128,"],
+                    "--cache-dir", str(args.dir / "cache"), "--resolution", f"{h}x{w}", "--text-buckets", "128"],
                    check=True, capture_output=True)
     build_s = time.perf_counter() - t
 

@@ -91,9 +91,13 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
             "components": list(spec.components),
             "resolutions": [list(r) for r in spec.resolutions],
             "text_buckets": list(spec.text_buckets),
+            "cfg": list(spec.cfg) if "denoiser" in spec.components else [],  # step graphs: True CFG, False no-CFG
             "prompt": {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
             "tokenizer": "tokenizer",
-            "scheduler": ctx.scheduler,
+            "scheduler": ctx.scheduler,                       # the checkpoint's, overrides applied
+            "scheduler_overrides": dict(spec.scheduler),
+            "defaults": dict(spec.defaults),
+            "loras": [{"file": Path(lo.path).name, "sha256": lo.digest, "scale": lo.scale} for lo in ctx.loras],
             "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
                         "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
             "graphs": graphs,

@@ -50,20 +50,24 @@ class EagerModel:
         self.latents = {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor,
                         "channels": self.configs["denoiser"].in_channels}
         self._graphs = {}
+        self.defaults = {}
 
     def check_resolution(self, height, width):
         from qic.host.latents import check_resolution
         check_resolution(height, width, self.latents["vae_scale_factor"])
 
-    def graph(self, component, resolution=None, bucket=None):
-        key = (component, resolution, bucket)
+    def has_graph(self, component, resolution=None, bucket=None, cfg=True):
+        return True  # eager modules make every graph on demand
+
+    def graph(self, component, resolution=None, bucket=None, cfg=True):
+        key = (component, resolution, bucket, cfg)
         if key not in self._graphs:
             m = self.modules[component]
             if component == "text_encoder":
                 gdef = text_encoder_graph(m, bucket)
             elif component == "denoiser":
                 gdef = denoiser_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
-                                      bucket, self.dtype)
+                                      bucket, self.dtype, cfg=cfg)
             else:
                 gdef = vae_decoder_graph(m, *resolution)
             self._graphs[key] = _Eager(gdef)

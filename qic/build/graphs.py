@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from qic.graph_names import graph_name
 from qic.host.latents import packed_grid
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
 from qic.models.mmdit import rope_tables
@@ -53,7 +54,7 @@ class StepGraph(nn.Module):
         self.register_buffer("rope_cos_img", cos[max_text:].contiguous(), persistent=False)
         self.register_buffer("rope_sin_img", sin[max_text:].contiguous(), persistent=False)
 
-    def forward(self, latents, text_embeds, text_mask, timestep, sigma, sigma_next, guidance):
+    def forward(self, latents, text_embeds, text_mask, timestep, sigma, sigma_next, guidance=None):
         n = text_embeds.shape[1]
         cos = torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0)
         sin = torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0)
@@ -73,10 +74,13 @@ def text_encoder_graph(module, bucket: int) -> GraphDef:
                     shape={"bucket": bucket})
 
 
-def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str) -> GraphDef:
+def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
+                   cfg: bool = True) -> GraphDef:
+    """cfg=False: the no-CFG step, text of batch 1 and no guidance input (one transformer call a step)."""
     rows, cols = packed_grid(height, width, vae_scale)
     text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
-    module = StepGraph(DenoiseStep(mmdit, cfg=True), config, rows, cols, text_len)
+    module = StepGraph(DenoiseStep(mmdit, cfg=cfg), config, rows, cols, text_len)
+    batch = 2 if cfg else 1
     example_len = text_len if bucket else 8
     dt = TORCH_DTYPES[dtype]
 
@@ -85,18 +89,17 @@ def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucke
 
     inputs = [
         ("latents", torch.zeros(1, rows * cols, config.in_channels, dtype=dt)),
-        ("text_embeds", torch.zeros(2, example_len, config.joint_attention_dim, dtype=dt)),
-        ("text_mask", torch.ones(2, example_len, dtype=torch.long)),
-        ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)), ("guidance", scalar(4.0)),
-    ]
+        ("text_embeds", torch.zeros(batch, example_len, config.joint_attention_dim, dtype=dt)),
+        ("text_mask", torch.ones(batch, example_len, dtype=torch.long)),
+        ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)),
+    ] + ([("guidance", scalar(4.0))] if cfg else [])
     dynamic = None
     if not bucket:
         text = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
-        dynamic = {"latents": None, "text_embeds": {1: text}, "text_mask": {1: text}, "timestep": None,
-                   "sigma": None, "sigma_next": None, "guidance": None}
-    return GraphDef(f"denoiser@{height}x{width}@L{bucket or 'exact'}", "denoiser", module, inputs,
-                    ["latents"], dynamic=dynamic, shape={"resolution": [height, width], "bucket": bucket},
-                    weight_prefix="step.mmdit.")
+        dynamic = {name: None for name, _ in inputs} | {"text_embeds": {1: text}, "text_mask": {1: text}}
+    shape = {"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False})
+    return GraphDef(graph_name("denoiser", (height, width), bucket, cfg), "denoiser", module, inputs,
+                    ["latents"], dynamic=dynamic, shape=shape, weight_prefix="step.mmdit.")
 
 
 def vae_decoder_graph(weights_module, height: int, width: int) -> GraphDef:

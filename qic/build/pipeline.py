@@ -17,21 +17,26 @@ from qic.build import plans
 from qic.build.bundle import write_bundle
 from qic.build.components import COMPONENTS, expected_tensors
 from qic.build.graphs import TORCH_DTYPES, denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.build.lora import load_lora
 from qic.build.remote import open_remote
 from qic.build.shard import shard_component
 from qic.build.source import resolve_model
 from qic.build.store import warn
 from qic.errors import ConfigError
 from qic.fsutil import sweep_stale
+from qic.graph_names import graph_name
 from qic.host.latents import check_resolution
 from qic.host.prompt import DROP_TOKENS, TEMPLATE
-from qic.host.schedule import check_scheduler_config
+from qic.host.schedule import check_scheduler_config, merge_scheduler
 from qic.spec import BuildSpec
 from qic.tokenizer import load_tokenizer
 from qic.weights import mmap_safetensors
 
 # Which checkpoint configs each component's graphs depend on (the denoiser step packs latents by the VAE's scale).
 _CONFIG_DEPS = {"text_encoder": ("text_encoder",), "denoiser": ("transformer", "vae"), "vae_decoder": ("vae",)}
+# Config entries that say which tool wrote a file, not what the graph computes: a checkpoint variant saved by
+# another diffusers/transformers (Qwen-Image-2512 vs Qwen-Image) keeps the spec key, so it exports nothing.
+_PROVENANCE_KEYS = ("_diffusers_version", "_name_or_path", "transformers_version", "_commit_hash")
 
 
 @dataclass
@@ -69,10 +74,11 @@ class Context:
         self.output = Path(spec.output)
         self.ckpt = resolve_model(spec.model, self.cache, configs_only=configs_only)
         self.raw = {f: self.ckpt.config(f) for f in ("text_encoder", "transformer", "vae")}
-        self.scheduler = self.ckpt.config("scheduler")
+        self.scheduler = merge_scheduler(self.ckpt.config("scheduler"), dict(spec.scheduler))
         self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in COMPONENTS.items()}
         has_tokenizer = self.ckpt.tokenizer_dir.is_dir()
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir) if has_tokenizer or not configs_only else None
+        self.loras = ()    # checked by validate()
 
 
 def validate(spec: BuildSpec, ctx: Context) -> None:
@@ -97,6 +103,12 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
             raise ConfigError(f"text bucket {b} is too small for {what}; use buckets > {template_len}")
     for name in spec.components:
         expected_tensors(COMPONENTS[name], ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
+    if spec.loras:
+        if "denoiser" not in spec.components:
+            raise ConfigError("LoRAs are merged into the denoiser, which this build leaves out",
+                              "add denoiser to --components, or drop --lora")
+        weights = ctx.ckpt.weights(COMPONENTS["denoiser"].folder).tensors
+        ctx.loras = tuple(load_lora(path, scale, weights) for path, scale in spec.loras)
 
 
 def _looped(spec: BuildSpec, component: str) -> bool:
@@ -125,7 +137,8 @@ def build(spec: BuildSpec, progress=None) -> BuildReport:
         comp = COMPONENTS[name]
         t = time.perf_counter()
         res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp_of(name, spec.tp), spec.dtype_of(name),
-                              ctx.cache, _tick(progress, "shard", name), looped=_looped(spec, name))
+                              ctx.cache, _tick(progress, "shard", name), looped=_looped(spec, name),
+                              loras=ctx.loras if name == "denoiser" else ())
         shards[name] = res
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
 
@@ -202,7 +215,8 @@ def plan_jobs(spec: BuildSpec, ctx: Context, backend) -> list[GraphJob]:
     identity = backend.identity()
     jobs = []
     for comp_name, maker, shape in plan_graphs(spec, ctx):
-        configs = {f: ctx.raw[f] for f in _CONFIG_DEPS[comp_name]}
+        configs = {f: {k: v for k, v in ctx.raw[f].items() if k not in _PROVENANCE_KEYS}
+                   for f in _CONFIG_DEPS[comp_name]}
         dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
         name = _graph_name(comp_name, shape)
         shape_key = {**shape, "looped": _looped(spec, comp_name)}
@@ -234,8 +248,11 @@ def plan_graphs(spec: BuildSpec, ctx: Context):
         cfg, dtype = ctx.configs["denoiser"], spec.dtype_of("denoiser")
         for h, w in spec.resolutions:
             for b in spec.text_buckets:
-                out.append(("denoiser", lambda m, h=h, w=w, b=b: denoiser_graph(m, cfg, vae_scale, h, w, b, dtype),
-                            {"resolution": [h, w], "bucket": b}))
+                for guided in spec.cfg:
+                    # The CFG graph's shape has no "cfg" entry: its name and spec key predate the no-CFG graph.
+                    shape = {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False})
+                    out.append(("denoiser", lambda m, h=h, w=w, b=b, g=guided: denoiser_graph(
+                        m, cfg, vae_scale, h, w, b, dtype, cfg=g), shape))
     if "vae_decoder" in spec.components:
         for h, w in spec.resolutions:
             out.append(("vae_decoder", lambda m, h=h, w=w: vae_decoder_graph(m, h, w), {"resolution": [h, w]}))
@@ -243,12 +260,7 @@ def plan_graphs(spec: BuildSpec, ctx: Context):
 
 
 def _graph_name(component: str, shape: dict) -> str:
-    parts = [component]
-    if "resolution" in shape:
-        parts.append("{}x{}".format(*shape["resolution"]))
-    if "bucket" in shape:
-        parts.append(f"L{shape['bucket'] or 'exact'}")
-    return "@".join(parts)
+    return graph_name(component, shape.get("resolution"), shape.get("bucket"), shape.get("cfg", True))
 
 
 def _shard_shapes(ctx: Context, component: str) -> dict[str, tuple[int, ...]]:

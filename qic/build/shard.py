@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 from qic import __version__
+from qic.build import lora as lora_module
 from qic.build import plans
 from qic.build.components import Component, expected_tensors, source_digest
+from qic.build.lora import lora_key, merge
 from qic.checkpoint.reader import Checkpoint
 from qic.checkpoint.safetensors_file import DTYPE_NAMES
 from qic.errors import CheckpointError
@@ -41,8 +43,11 @@ class ShardResult:
     bytes: int
 
 
-def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str, looped: bool = False) -> str:
+def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str, looped: bool = False,
+              loras: tuple = ()) -> str:
     h = hashlib.sha256()
+    if loras:  # merged weights: their own entry (LoRA file digests and scales, in merge order)
+        h.update(b"lora\0" + lora_key(list(loras)).encode() + b"\0" + Path(lora_module.__file__).read_bytes())
     for part in (b"qic-shard-v1", ckpt_digest.encode(), component.name.encode(), str(tp).encode(), dtype.encode(),
                  b"looped" if looped else b"unrolled",
                  str(plans.PLAN_VERSION).encode(), json.dumps(plans.PLANS[component.name]).encode(),
@@ -52,15 +57,16 @@ def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str, loope
 
 
 def shard_component(ckpt: Checkpoint, component: Component, config, ckpt_digest: str, tp: int, dtype: str,
-                    cache_dir: Path, progress=None, looped: bool = False) -> ShardResult:
+                    cache_dir: Path, progress=None, looped: bool = False, loras: tuple = ()) -> ShardResult:
     """Per-rank safetensors for one component, from the cache when present and intact.
 
     looped: block weights are written stacked ([num_layers, ...], see qic.models.looped) for graphs
-    that loop over one block.
+    that loop over one block. loras: checked LoRAs (qic.build.lora) merged into the checkpoint tensors
+    they target, in fp32, before conversion, TP split and cast.
     """
     dtype = component.fixed_dtype or dtype
     looped = looped and component.stackable
-    key = shard_key(ckpt_digest, component, tp, dtype, looped)
+    key = shard_key(ckpt_digest, component, tp, dtype, looped, loras)
     final = Path(cache_dir) / "shards" / f"{component.name}-{key}"
     with file_lock(Path(cache_dir) / "locks" / f"shard-{key}.lock"):
         hit = _intact(final, tp)
@@ -70,7 +76,7 @@ def shard_component(ckpt: Checkpoint, component: Component, config, ckpt_digest:
         with staging_dir(final) as tmp:
             files = [tmp / f"rank{rank}.safetensors" for rank in range(tp)]
             _write_ranks(files, plan, ckpt.weights(component.folder).tensors, component, TORCH_DTYPES[dtype],
-                         progress)
+                         progress, list(loras))
             stamps = {p.name: _stamp(p) for p in files}
             write_json_atomic(tmp / "meta.json", {"component": component.name, "tp": tp, "dtype": dtype,
                                                   "qic": __version__, "files": stamps})
@@ -193,7 +199,7 @@ def _rank_shape(component: Component, g, rank: int, tp: int) -> tuple:
 
 
 def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: Component, dtype: torch.dtype,
-                 progress) -> None:
+                 progress, loras: list | None = None) -> None:
     """One pass over the source tensors writes every rank's file: each tensor is read once, into one
     reused buffer, and its source pages are dropped from the page cache after use."""
     tp = len(paths)
@@ -204,7 +210,7 @@ def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: 
             f.write(_header(plan, component, rank, tp, dtype))
         # In offset order, one tensor in memory at a time; a stack is its layers written back to back.
         for e in (e for g in plan for e in g.entries):
-            t = component.convert({e.source: reader.read(infos[e.source])})[e.name]
+            t = component.convert({e.source: merge(e.source, reader.read(infos[e.source]), loras or [])})[e.name]
             for rank, f in enumerate(outs):
                 part = plans.rank_slice(component.name, e.name, t, rank, tp).to(dtype).contiguous()
                 assert tuple(part.shape) == _rank_shape(component, e, rank, tp), e.name

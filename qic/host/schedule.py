@@ -26,6 +26,41 @@ class Schedule:
     timesteps: torch.Tensor  # [steps] float32, the scheduler's t = sigma * 1000 (the step graph divides by 1000)
 
 
+# FlowMatchEulerDiscreteScheduler's config keys that a build config may override, with their types.
+_NUMBER = (int, float)
+OVERRIDABLE = {"num_train_timesteps": int, "shift": _NUMBER, "use_dynamic_shifting": bool, "base_shift": _NUMBER,
+               "max_shift": _NUMBER, "base_image_seq_len": int, "max_image_seq_len": int,
+               "shift_terminal": (*_NUMBER, type(None)), "time_shift_type": str, "invert_sigmas": bool,
+               "use_karras_sigmas": bool, "use_exponential_sigmas": bool, "use_beta_sigmas": bool,
+               "stochastic_sampling": bool}
+
+
+def check_overrides(overrides: Mapping, source: str = "config") -> None:
+    """A build config's `scheduler:` keys: known names, right types; the merged config is checked after."""
+    for key, value in overrides.items():
+        if key not in OVERRIDABLE:
+            raise ConfigError(f"{source}: scheduler key {key!r} is not a FlowMatchEulerDiscreteScheduler option; "
+                              f"allowed: {', '.join(OVERRIDABLE)}")
+        kind = OVERRIDABLE[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise ConfigError(f"{source}: scheduler.{key} = {value!r} has the wrong type")
+    terminal = overrides.get("shift_terminal")
+    if terminal is not None and not 0 <= terminal < 1:
+        raise ConfigError(f"{source}: scheduler.shift_terminal must be in [0, 1) or null, got {terminal!r}")
+    for key in ("num_train_timesteps", "base_image_seq_len", "max_image_seq_len"):
+        if key in overrides and overrides[key] <= 0:
+            raise ConfigError(f"{source}: scheduler.{key} must be positive, got {overrides[key]!r}")
+
+
+def merge_scheduler(checkpoint_config: Mapping, overrides: Mapping) -> dict:
+    """The checkpoint's scheduler config with a build's overrides on top, checked as a whole."""
+    merged = {**checkpoint_config, **overrides}
+    check_scheduler_config(merged)
+    if merged.get("use_dynamic_shifting") and merged.get("base_image_seq_len") == merged.get("max_image_seq_len"):
+        raise ConfigError("scheduler: base_image_seq_len equals max_image_seq_len; the shift would divide by zero")
+    return merged
+
+
 def check_scheduler_config(config: Mapping) -> None:
     for key in _UNSUPPORTED_TRUE:
         if config.get(key):

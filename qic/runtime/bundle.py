@@ -11,6 +11,7 @@ import torch
 from qic import __version__
 from qic.backends.loaders import load_graph
 from qic.errors import BundleError, ConfigError
+from qic.graph_names import graph_name
 from qic.manifest import check_compatible, read_manifest, verify_files
 from qic.target import target_mismatch
 from qic.tokenizer import load_tokenizer
@@ -39,7 +40,10 @@ class Bundle:
     seconds_loading = 0.0
 
     def __init__(self, path: str | Path, device: str | None = None, rank: int = 0, world: int = 1,
-                 verify_all: bool = False):
+                 verify_all: bool = False, weights_from: str | Path | None = None):
+        """weights_from: another bundle whose weights (e.g. another checkpoint of the same architecture, or a
+        LoRA-merged build) this bundle's graphs run with; refused unless every weight tensor the graphs take
+        has the same name, shape and dtype there."""
         t0 = time.perf_counter()
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
@@ -53,11 +57,14 @@ class Bundle:
             raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}, but {world} rank(s) run it",
                               f"run it with --tp {m['tp']}")
         self.rank, self.world = rank, world
+        other = _weights_bundle(weights_from, m) if weights_from is not None else None
+        self.weights_id = other[1]["id"] if other else None    # the bundle whose weights run, if not this one
         self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
         self.resolutions = [tuple(r) for r in m["resolutions"]]
         self.buckets = list(m["text_buckets"])
         self.latents = m["latents"]
         self.scheduler = m["scheduler"]
+        self.defaults = m.get("defaults", {})         # run defaults of the build config (steps, guidance)
         self.prompt = m["prompt"]
         shards: dict[str, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple, Graph] = {}
@@ -67,6 +74,8 @@ class Bundle:
             rel = g["weights"][rank] if len(g["weights"]) > 1 else g["weights"][0]
             if rel not in shards:
                 shards[rel] = mmap_safetensors(self.path / rel)
+                if other is not None:
+                    shards[rel] = _swap_weights(shards[rel], other, g["component"], rank)
             constants.update({g["weight_prefix"] + k: v for k, v in shards[rel].items()})
             if g["constants_file"]:
                 constants.update(mmap_safetensors(self.path / g["constants_file"]))
@@ -88,16 +97,15 @@ class Bundle:
     def id(self) -> str:
         return self.manifest["id"]
 
-    def graph(self, component: str, resolution=None, bucket=None) -> Graph:
-        name = component
-        if resolution is not None:
-            name += "@{}x{}".format(*resolution)
-        if bucket is not None:
-            name += f"@L{bucket or 'exact'}"
+    def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True) -> Graph:
+        name = graph_name(component, resolution, bucket, cfg)
         try:
             return self.graphs[_key(component, name)]
         except KeyError:
             raise BundleError(f"{self.path}: no graph {name} in this bundle") from None
+
+    def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True) -> bool:
+        return _key(component, graph_name(component, resolution, bucket, cfg)) in self.graphs
 
     def check_resolution(self, height: int, width: int) -> None:
         if (height, width) not in self.resolutions:
@@ -116,6 +124,38 @@ def check_targets(path: Path, manifest: dict, device: str) -> None:
         if reason:
             raise BundleError(f"{path}: graph {g['name']} cannot run on this machine: {reason}",
                               "rebuild the bundle (or warm its cache) on a machine like this one")
+
+
+def _weights_bundle(path, manifest: dict) -> tuple[Path, dict]:
+    """The other bundle, verified like this one, with the same TP degree."""
+    path = Path(path)
+    other = read_manifest(path)
+    check_compatible(other, __version__, torch.__version__)
+    verify_files(path, other)
+    if other["tp"] != manifest["tp"]:
+        raise BundleError(f"--weights {path}: built for tp={other['tp']}, this bundle for tp={manifest['tp']}")
+    return path, other
+
+
+def _swap_weights(mine: dict, other: tuple[Path, dict], component: str, rank: int) -> dict:
+    path, m = other
+    files = next((g["weights"] for g in m["graphs"] if g["component"] == component), None)
+    if files is None:
+        raise BundleError(f"--weights {path}: that bundle has no {component} weights",
+                          "build it with the same --components")
+    theirs = mmap_safetensors(path / (files[rank] if len(files) > 1 else files[0]))
+    for name, t in mine.items():
+        o = theirs.get(name)
+        if o is None or o.shape != t.shape or o.dtype != t.dtype:
+            got = "missing" if o is None else f"{list(o.shape)} {o.dtype}"
+            raise BundleError(f"--weights {path}: graph signatures differ: {component} tensor {name} is {got} there, "
+                              f"the graphs take {list(t.shape)} {t.dtype}",
+                              "use a bundle of the same architecture, dtype and layers (looped/unrolled)")
+    extra = sorted(set(theirs) - set(mine))
+    if extra:
+        raise BundleError(f"--weights {path}: graph signatures differ: {component} tensor {extra[0]} is not an "
+                          "input of these graphs")
+    return theirs
 
 
 def _key(component: str, name: str) -> tuple:

@@ -15,7 +15,7 @@ from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from qic.runtime.png import save_png
 
-_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "output")
+_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output")
 
 
 def run_cli(bundle_path: str, options: dict) -> None:
@@ -55,7 +55,7 @@ def serve(bundle_path_or_rank, *args) -> None:
     base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
     clock = _LoadClock()
     bundle = Bundle(bundle_path, device=options.get("device"), rank=rank, world=world,
-                    verify_all=bool(options.get("verify_all")))
+                    verify_all=bool(options.get("verify_all")), weights_from=options.get("weights_from"))
     verbose = options.get("verbose")
     lead = rank == 0
     if options.get("prompt"):
@@ -101,7 +101,7 @@ def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, res
     if not lead:
         return
     t = time.perf_counter()
-    path = save_png(result, bundle.id, output)
+    path = save_png(result, bundle.id, output, bundle.weights_id)
     result.timings["save"] = time.perf_counter() - t
     print(f"wrote {path}")
     if verbose:

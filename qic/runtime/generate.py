@@ -14,21 +14,25 @@ import torch
 from PIL import Image
 
 from qic.errors import ConfigError
+from qic.host.aspect import pick_resolution
 from qic.host.latents import initial_noise
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.runtime.bundle import Bundle
+
+DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
 
 
 @dataclass
 class Request:
     prompt: str
     negative_prompt: str | None = " "   # None: no negative prompt, so no CFG (as in diffusers)
-    steps: int = 20
-    guidance: float = 4.0
+    steps: int | None = None            # None: the bundle's run default (else DEFAULT_STEPS)
+    guidance: float | None = None       # None: the bundle's run default (else DEFAULT_GUIDANCE)
     seed: int = 0
     height: int | None = None
     width: int | None = None
+    aspect: str | None = None           # 'W:H': the bundle's resolution of that aspect ratio
 
 
 @dataclass
@@ -42,10 +46,19 @@ class Result:
 def validate(req: Request, bundle: Bundle) -> Request:
     if not isinstance(req.prompt, str) or not req.prompt:
         raise ConfigError("prompt must be a non-empty string")
+    defaults = bundle.defaults
+    if req.steps is None:
+        req.steps = defaults.get("steps", DEFAULT_STEPS)
+    if req.guidance is None:
+        req.guidance = defaults.get("guidance", DEFAULT_GUIDANCE)
     if not isinstance(req.steps, int) or isinstance(req.steps, bool) or req.steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {req.steps!r}")
     if not isinstance(req.guidance, (int, float)) or not np.isfinite(req.guidance) or req.guidance < 0:
         raise ConfigError(f"guidance must be a finite number >= 0, got {req.guidance!r}")
+    if req.aspect is not None:
+        if req.height is not None or req.width is not None:
+            raise ConfigError("give --aspect or --height/--width, not both")
+        req.height, req.width = pick_resolution(req.aspect, bundle.resolutions)
     if req.height is None and req.width is None:
         req.height, req.width = bundle.resolutions[0]
     if req.height is None or req.width is None:
@@ -60,8 +73,16 @@ def generate(bundle: Bundle, req: Request) -> Result:
     t = time.perf_counter()
     plan = text_plan(bundle, req)
     cfg, ids_pos, ids_neg, bucket = plan.cfg, plan.ids_pos, plan.ids_neg, plan.bucket
+    res = (req.height, req.width)
     drop = bundle.prompt["drop_tokens"]
     length = bucket or max(len(ids_pos), len(ids_neg))
+    # Without CFG the no-CFG step graph (batch 1, one transformer call a step) runs when the bundle has
+    # it; else the CFG graph with the uncond row repeating the prompt and guidance 1, which makes the
+    # combination exactly the cond prediction at twice the cost.
+    batched = cfg or not bundle.has_graph("denoiser", res, bucket, cfg=False)
+    if cfg and not bundle.has_graph("denoiser", res, bucket, cfg=True):
+        raise ConfigError(f"guidance {req.guidance} asks for true CFG, but this bundle has only the no-CFG step graph",
+                          "run with --guidance 1, or rebuild with `cfg: [true, false]` in the config")
     times["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -75,7 +96,7 @@ def generate(bundle: Bundle, req: Request) -> Result:
         hidden = encoder(padded, mask)[0]
         embeds.append(hidden[:, drop:])
         masks.append(mask[:, drop:])
-    if not cfg:
+    if batched and not cfg:
         embeds, masks = embeds * 2, masks * 2
     text = torch.cat(embeds, 0)
     text_mask = torch.cat(masks, 0)
@@ -85,12 +106,12 @@ def generate(bundle: Bundle, req: Request) -> Result:
     sf = lat["vae_scale_factor"]
     noise = initial_noise(req.seed, lat["z_dim"], req.height, req.width, sf)
     schedule = flow_match_schedule(bundle.scheduler, req.steps, noise.shape[1])
-    step = bundle.graph("denoiser", (req.height, req.width), bucket)
-    guidance = torch.tensor(float(req.guidance) if cfg else 1.0, dtype=torch.float32)
+    step = bundle.graph("denoiser", res, bucket, cfg=batched)
+    guidance = [torch.tensor(float(req.guidance) if cfg else 1.0, dtype=torch.float32)] if batched else []
     x = noise
     for i in range(req.steps):
         t = time.perf_counter()
-        x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], guidance)[0]
+        x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], *guidance)[0]
         times[f"step{i}"] = time.perf_counter() - t
 
     t = time.perf_counter()

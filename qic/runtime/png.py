@@ -10,13 +10,13 @@ from PIL.PngImagePlugin import PngInfo
 from qic.fsutil import write_bytes_atomic
 
 
-def save_png(result, bundle_id: str, path: str | Path) -> Path:
+def save_png(result, bundle_id: str, path: str | Path, weights_id: str | None = None) -> Path:
     path = Path(path)
-    write_bytes_atomic(path, png_bytes(result, bundle_id))
+    write_bytes_atomic(path, png_bytes(result, bundle_id, weights_id))
     return path
 
 
-def png_bytes(result, bundle_id: str) -> bytes:
+def png_bytes(result, bundle_id: str, weights_id: str | None = None) -> bytes:
     """The PNG file's bytes: the same for the same image and settings, whoever writes or sends them."""
     req = result.request
     info = PngInfo()
@@ -24,6 +24,8 @@ def png_bytes(result, bundle_id: str) -> bytes:
                        ("steps", req.steps), ("guidance", req.guidance), ("bundle", bundle_id),
                        ("resolution", f"{req.height}x{req.width}")):
         info.add_itxt(key, "" if value is None else str(value))
+    if weights_id:
+        info.add_itxt("weights", weights_id)
     buf = io.BytesIO()
     result.image.save(buf, format="PNG", pnginfo=info)
     return buf.getvalue()

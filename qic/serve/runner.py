@@ -89,7 +89,7 @@ class BundleRunner:
         if self.group is not None:
             import torch.distributed as dist
             dist.broadcast_object_list([reqs], src=0, group=self.group)
-        return [png_bytes(generate(self.bundle, r), self.bundle.id) for r in reqs]
+        return [png_bytes(generate(self.bundle, r), self.bundle.id, self.bundle.weights_id) for r in reqs]
 
     def close(self) -> None:
         """Release the other ranks (tensor-parallel): nothing more will come."""
