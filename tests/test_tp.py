@@ -332,9 +332,33 @@ def test_shards_reassemble_to_tp1_tensors(shards, full_weights):
                     assert torch.equal(torch.cat(parts, dim), t), (comp, tp, name)
                 for r, p in enumerate(parts):  # the in-memory helper slices as stage 1 does
                     assert torch.equal(T.shard_state_dict(comp, {name: t}, r, tp)[name], p)
-            # TE: q,k,v weight+bias, o, gate, up, down per layer = 10; denoiser: 6 qkv x2 + 2 out + 2x3 mlp = 20
-            expected = {"text_encoder": 10 * 2, "denoiser": 20 * 3, "vae_decoder": 0}[comp]
+            # TE: q,k,v weight+bias, o, gate, up, down per layer = 10, plus the embedding; denoiser per block:
+            # 6 qkv x2 + 2 out + 2x3 mlp + 2 mod x2 = 24, plus norm_out, txt_in and linear_1 (x2) and linear_2
+            expected = {"text_encoder": 10 * 2 + 1, "denoiser": 24 * 3 + 7, "vae_decoder": 0}[comp]
             assert n_split == expected, (comp, n_split)
+
+
+def _data_bytes(path) -> dict[str, tuple[int, int]]:
+    """name -> (bytes, ndim) of every tensor in a safetensors file, from its header."""
+    from qic.checkpoint.safetensors_file import read_header
+    return {n: (i.nbytes, len(i.shape)) for n, i in read_header(Path(path)).tensors.items()}
+
+
+def test_per_rank_bytes_shrink_with_tp(shards):
+    """Each rank's denoiser and text-encoder file holds at most 1.05 x (TP 1 bytes) / TP, plus the small
+    tensors that must stay whole: 1-D ones (norms, row-parallel biases) and the per-rank vocab offset.
+    Before the modulation, the embedding and the other dim-wide projections were split, this checkpoint's
+    ranks held 0.528x (denoiser) and 0.481x (text encoder) of TP 1 at TP 4, which fails here."""
+    for comp in ("text_encoder", "denoiser"):
+        tp1 = _data_bytes(shards[(comp, 1)][0])
+        total1 = sum(b for b, _ in tp1.values())
+        for tp in (2, 4):
+            for r, f in enumerate(shards[(comp, tp)]):
+                mine = _data_bytes(f)
+                whole = sum(b for n, (b, nd) in mine.items() if nd <= 1 and (n not in tp1 or tp1[n][0] == b))
+                total = sum(b for b, _ in mine.values())
+                FIGURES[f"bytes {comp} tp={tp} rank{r}"] = f"{total / total1:.3f}x TP 1 ({whole} B whole 1-D)"
+                assert total <= 1.05 * total1 / tp + whole, (comp, tp, r, total, total1, whole)
 
 
 def test_tiny_preset_stage1_shards_at_tp2(tiny_ckpt, tmp_path):
