@@ -34,28 +34,51 @@ def main():
     """qic: compile Qwen-Image checkpoints into ready-to-run bundles, and run them."""
 
 
+_BUILD_OPTIONS = [
+    click.option("--model", help="Checkpoint: a local diffusers-layout directory or a hub id "
+                                 "(default: embedded tiny)."),
+    click.option("--backend", help="inductor | neuron"),
+    click.option("--device", help="cpu | cuda (inductor), neuron"),
+    click.option("--tp", type=int, help="Tensor-parallel degree."),
+    click.option("--resolution", "resolutions", multiple=True, help="HxW, repeatable; replaces the config's list."),
+    click.option("--text-buckets", help="Comma-separated lengths, a step (e.g. 64), or 0 for exact length."),
+    click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder."),
+    click.option("--layers", type=click.Choice(["unrolled", "looped"]),
+                 help="Transformer blocks unrolled in the graph, or one block looped over stacked weights."),
+    click.option("--output", help="Bundle directory to write."),
+    click.option("--cache-dir", help="Shard and compile cache directory."),
+]
+
+
+def _build_options(fn):
+    for option in reversed(_BUILD_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _overrides(resolutions, **flags) -> dict:
+    return {**flags, "resolutions": list(resolutions) or None}
+
+
 @main.command()
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--model", help="Checkpoint: a local diffusers-layout directory or a hub id (default: embedded tiny).")
-@click.option("--backend", help="inductor | neuron")
-@click.option("--device", help="cpu | cuda (inductor), neuron")
-@click.option("--tp", type=int, help="Tensor-parallel degree.")
-@click.option("--resolution", "resolutions", multiple=True, help="HxW, repeatable; replaces the config's list.")
-@click.option("--text-buckets", help="Comma-separated lengths, a step (e.g. 64), or 0 for exact length.")
-@click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder.")
-@click.option("--layers", type=click.Choice(["unrolled", "looped"]),
-              help="Transformer blocks unrolled in the graph, or one block looped over stacked weights.")
-@click.option("--output", help="Bundle directory to write.")
-@click.option("--cache-dir", help="Shard and compile cache directory.")
+@_build_options
 @_friendly
-def build(config, model, backend, device, tp, resolutions, text_buckets, components, layers, output, cache_dir):
+def build(config, resolutions, **flags):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default configs/tiny.yaml)."""
     from qic.cli_build import run_build
-    overrides = {"model": model, "backend": backend, "device": device, "tp": tp,
-                 "resolutions": list(resolutions) or None, "text_buckets": text_buckets,
-                 "components": components, "layers": layers, "output": output,
-                 "cache_dir": cache_dir}
-    run_build(config, overrides)
+    run_build(config, _overrides(resolutions, **flags))
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path())
+@_build_options
+@_friendly
+def plan(config, resolutions, **flags):
+    """Memory, disk and compile-time plan of a build, from configs alone (CONFIG: a YAML build config, or a
+    checkpoint directory, which may hold only its config files)."""
+    from qic.cli_plan import run_plan
+    run_plan(config, _overrides(resolutions, **flags))
 
 
 @main.command()
