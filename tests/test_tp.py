@@ -361,6 +361,34 @@ def test_per_rank_bytes_shrink_with_tp(shards):
                 assert total <= 1.05 * total1 / tp + whole, (comp, tp, r, total, total1, whole)
 
 
+def test_vocab_embedding_and_gather_linear_reassemble():
+    """Four ranks simulated in one process: the ranks' masked lookups add up to the whole table's lookup
+    bit for bit (ids at every boundary included), and the ranks' GatherLinear chunks in rank order are the
+    whole Linear's output, as the all_reduce and the all_gather make them."""
+    from qic.models.common import GatherLinear, VocabEmbedding
+    g = torch.Generator().manual_seed(0)
+    whole = VocabEmbedding(16, 5)
+    whole.weight.data = torch.randn(16, 5, generator=g)
+    ids = torch.tensor([[0, 3, 4, 7, 8, 11, 12, 15]])
+    total = 0
+    for rank in range(4):
+        part = VocabEmbedding(16, 5, tp_size=4)
+        sd = T.shard_state_dict("text_encoder", {"model.embed_tokens.weight": whole.weight.data}, rank, 4)
+        part.load_state_dict({k.removeprefix("model.embed_tokens."): v for k, v in sd.items()})
+        out = part(ids)
+        assert int((out.abs().sum(-1) > 0).sum()) == 2  # each rank holds two of the eight ids
+        total = total + out
+    assert torch.equal(total, whole(ids))
+    lin = torch.nn.Linear(6, 12)
+    x = torch.randn(3, 6, generator=g)
+    chunks = []
+    for rank in range(4):
+        part = GatherLinear(6, 3)
+        part.weight.data, part.bias.data = lin.weight.data.chunk(4)[rank], lin.bias.data.chunk(4)[rank]
+        chunks.append(part(x))
+    assert torch.allclose(torch.cat(chunks, -1), lin(x), rtol=0, atol=1e-6)  # same dot products, fp32
+
+
 def test_tiny_preset_stage1_shards_at_tp2(tiny_ckpt, tmp_path):
     """The standard 'tiny' checkpoint through stage 1 at TP=2 (its denoiser's 4 heads, its text
     encoder's 2 kv heads divide by 2)."""

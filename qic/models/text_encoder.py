@@ -251,6 +251,8 @@ class _LanguageModel(nn.Module):
         # Vocab-parallel under TP (each rank holds vocab_size / tp rows; the real 152064 divides by 2, 4 and 8,
         # and TP cannot exceed the 4 key/value heads anyway, so no padding). Built uninitialised: weights are
         # always loaded, and the default normal_ init costs a 1 s import of torch._dynamo.
+        _tp_local(cfg.num_heads, tp_size, "num_attention_heads")  # the usual limit on TP is named first
+        _tp_local(cfg.num_kv_heads, tp_size, "num_key_value_heads")
         _tp_local(cfg.vocab_size, tp_size, "vocab_size")
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size)
         self.layers = nn.ModuleList(_DecoderLayer(cfg, tp_size) for _ in range(cfg.num_layers))
