@@ -263,7 +263,7 @@ def _rank_compiled(rank: int, tp: int, files: dict, workdir: str) -> dict:
         done.write_text(json.dumps({"pt2": str(pt2), "weight_inputs": art.meta["weight_inputs"],
                                     "graph_key": art.graph_key}))
     else:
-        names = [n for n, _ in m.named_parameters()]
+        names = [*dict(m.named_parameters()), *dict(m.named_buffers())]  # as compile_graph: buffers too
         with torch.no_grad():
             program = torch.export.export(WeightsAsInputs(m, names), ((ids, mask), [shard[n] for n in names]))
         info["graph_key"] = graph_key(program, gdef, {}, backend.identity())
