@@ -193,6 +193,9 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -
     """The plan for a build spec, given parsed component configs (and the raw ones, for spec keys)."""
     from qic.build.pipeline import _graph_name, _looped, graph_shapes, tp_of
 
+    from qic.host.latents import check_resolution
+    for h, w in spec.resolutions:  # the build's own check, so a bad size fails as it would there
+        check_resolution(h, w, configs["vae_decoder"].scale_factor)
     plan = MemoryPlan(spec.tp)
     records = _compile_records(Path(cache_dir) if cache_dir else None)
     plan.compile_source = (f"{sum(map(len, records.values()))} cached graph records" if records
