@@ -210,7 +210,11 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -
     keys = _spec_keys(spec, raw)
     for name, shape in graph_shapes(spec):
         tp = tp_of(name, spec.tp)
-        inputs, largest, peak = estimate_graph(name, configs, tp, spec.dtype_of(name), shape)
+        sized = shape
+        if shape.get("bucket") == 0:  # exact-length text: sized at the longest prompt it accepts
+            from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
+            sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
+        inputs, largest, peak = estimate_graph(name, configs, tp, spec.dtype_of(name), sized)
         gname = _graph_name(name, shape)
         cached = _is_cached(cache_dir, keys.get(gname))
         secs = [r["compile_seconds"] for r in records.get(name, [])]
