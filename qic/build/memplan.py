@@ -192,7 +192,6 @@ def _one_layer(config):
 def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -> MemoryPlan:
     """The plan for a build spec, given parsed component configs (and the raw ones, for spec keys)."""
     from qic.build.pipeline import _graph_name, _looped, graph_shapes, tp_of
-
     from qic.host.latents import check_resolution
     for h, w in spec.resolutions:  # the build's own check, so a bad size fails as it would there
         check_resolution(h, w, configs["vae_decoder"].scale_factor)
