@@ -27,7 +27,7 @@ def run_build(config, overrides) -> None:
             elif nbytes:
                 bar.advance(tasks[key], nbytes)
 
-        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec, bar))
+        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec))
     table = Table(title=f"qic build -> {report.output}", show_lines=False)
     for col in ("stage", "item", "result", "size", "time"):
         table.add_column(col, justify="right" if col in ("size", "time") else "left")
@@ -48,7 +48,8 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _print_plan(plan, spec, bar) -> None:
-    """The memory plan, on stderr above the progress bars (stdout keeps only the closing table)."""
-    from qic.cli_plan import print_plan
-    print_plan(plan, spec.model or "embedded:tiny", bar.console)
+def _print_plan(plan, spec) -> None:
+    """The memory plan on stdout, before any work (stderr stays for progress and errors; rich's live
+    progress display prints stdout above itself)."""
+    from qic.cli_plan import print_plan, wide_console
+    print_plan(plan, spec.model or "embedded:tiny", wide_console())

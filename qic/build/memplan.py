@@ -213,7 +213,8 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -
         if shape.get("bucket") == 0:  # exact-length text: sized at the longest prompt it accepts
             from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
             sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
-        inputs, largest, peak = estimate_graph(name, configs, tp, spec.dtype_of(name), sized)
+        inputs, largest, peak = _estimate_cached(cache_dir, keys.get(gname),
+                                                 lambda: estimate_graph(name, configs, tp, spec.dtype_of(name), sized))
         gname = _graph_name(name, shape)
         cached = _is_cached(cache_dir, keys.get(gname))
         secs = [r["compile_seconds"] for r in records.get(name, [])]
@@ -223,6 +224,25 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -
             0.0 if cached else (statistics.median(secs) if secs else DEFAULT_COMPILE_SECONDS), cached,
             int(statistics.median(sizes)) if sizes else DEFAULT_ARTIFACT_BYTES))
     return plan
+
+
+def _estimate_cached(cache_dir: Path | None, skey: str | None, compute) -> tuple[int, int, int]:
+    """A graph's estimate is a function of what its spec key covers (configs, shape, dtype, TP, qic's model
+    code), so it is kept in the cache under that key: a no-op build prints its plan without re-running
+    the fake-tensor estimate (seconds, and an import of torch._dynamo). Nothing is written to a cache
+    directory that does not exist yet."""
+    path = Path(cache_dir) / "plan" / f"{skey}.json" if cache_dir is not None and skey else None
+    if path is not None:
+        try:
+            return tuple(json.loads(path.read_text())["estimate"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    value = compute()
+    if path is not None and Path(cache_dir).is_dir():
+        from qic.fsutil import write_json_atomic
+        path.parent.mkdir(exist_ok=True)
+        write_json_atomic(path, {"estimate": list(value)})
+    return value
 
 
 def _compile_records(cache_dir: Path | None) -> dict[str, list[dict]]:
