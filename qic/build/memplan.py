@@ -213,9 +213,9 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -
         if shape.get("bucket") == 0:  # exact-length text: sized at the longest prompt it accepts
             from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
             sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
+        gname = _graph_name(name, shape)
         inputs, largest, peak = _estimate_cached(cache_dir, keys.get(gname),
                                                  lambda: estimate_graph(name, configs, tp, spec.dtype_of(name), sized))
-        gname = _graph_name(name, shape)
         cached = _is_cached(cache_dir, keys.get(gname))
         secs = [r["compile_seconds"] for r in records.get(name, [])]
         sizes = [r["bytes"] for r in records.get(name, [])]
