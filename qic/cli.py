@@ -34,38 +34,63 @@ def main():
     """qic: compile Qwen-Image checkpoints into ready-to-run bundles, and run them."""
 
 
+_BUILD_OPTIONS = [
+    click.option("--model", help="Checkpoint: a local diffusers-layout directory or a hub id "
+                                 "(default: embedded tiny)."),
+    click.option("--backend", help="inductor | neuron"),
+    click.option("--device", help="cpu | cuda (inductor), neuron"),
+    click.option("--tp", type=int, help="Tensor-parallel degree."),
+    click.option("--resolution", "resolutions", multiple=True,
+                 help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's "
+                      "list."),
+    click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length."),
+    click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
+    click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder."),
+    click.option("--layers", type=click.Choice(["unrolled", "looped"]),
+                 help="Transformer blocks unrolled in the graph, or one block looped over stacked weights."),
+    click.option("--lora", "loras", multiple=True,
+                 help="FILE[:SCALE]: a LoRA merged into the denoiser's weights (repeatable; replaces the config's "
+                      "list)."),
+    click.option("--output", help="Bundle directory to write."),
+    click.option("--cache-dir", help="Shard and compile cache directory."),
+    click.option("--cache-from", help="Remote compile store to pull hits from: hf://ORG/REPO or a directory."),
+    click.option("--cache-public-key", "cache_public_keys", multiple=True,
+                 help="Public key (hex or .pub file) whose signatures make remote entries usable; repeatable."),
+    click.option("--cache-trusted", is_flag=True, default=None, help="Use the remote store's entries unsigned."),
+]
+
+
+def _build_options(fn):
+    for option in reversed(_BUILD_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _overrides(resolutions, loras=(), cache_public_keys=(), **flags) -> dict:
+    """Flag values as spec overrides: repeatable flags given no value leave the config's list alone."""
+    return {**flags, "resolutions": list(resolutions) or None, "loras": list(loras) or None,
+            "cache_public_keys": list(cache_public_keys) or None}
+
+
 @main.command()
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--model", help="Checkpoint: a local diffusers-layout directory or a hub id (default: embedded tiny).")
-@click.option("--backend", help="inductor | neuron")
-@click.option("--device", help="cpu | cuda (inductor), neuron")
-@click.option("--tp", type=int, help="Tensor-parallel degree.")
-@click.option("--resolution", "resolutions", multiple=True,
-              help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's list.")
-@click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length.")
-@click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt).")
-@click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder.")
-@click.option("--layers", type=click.Choice(["unrolled", "looped"]),
-              help="Transformer blocks unrolled in the graph, or one block looped over stacked weights.")
-@click.option("--lora", "loras", multiple=True,
-              help="FILE[:SCALE]: a LoRA merged into the denoiser's weights (repeatable; replaces the config's list).")
-@click.option("--output", help="Bundle directory to write.")
-@click.option("--cache-dir", help="Shard and compile cache directory.")
-@click.option("--cache-from", help="Remote compile store to pull hits from: hf://ORG/REPO or a directory.")
-@click.option("--cache-public-key", "cache_public_keys", multiple=True,
-              help="Public key (hex or .pub file) whose signatures make remote entries usable; repeatable.")
-@click.option("--cache-trusted", is_flag=True, default=None, help="Use the remote store's entries unsigned.")
+@_build_options
 @_friendly
-def build(config, model, backend, device, tp, resolutions, text_buckets, text_bucket_step, components, layers, loras,
-          output, cache_dir, cache_from, cache_public_keys, cache_trusted):
+def build(config, resolutions, **flags):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default configs/tiny.yaml)."""
     from qic.cli_build import run_build
-    overrides = {"model": model, "backend": backend, "device": device, "tp": tp,
-                 "resolutions": list(resolutions) or None, "text_buckets": text_buckets,
-                 "text_bucket_step": text_bucket_step, "components": components, "layers": layers, "output": output,
-                 "cache_dir": cache_dir, "loras": list(loras) or None, "cache_from": cache_from,
-                 "cache_public_keys": list(cache_public_keys) or None, "cache_trusted": cache_trusted}
-    run_build(config, overrides)
+    run_build(config, _overrides(resolutions, **flags))
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path())
+@_build_options
+@_friendly
+def plan(config, resolutions, **flags):
+    """Memory, disk and compile-time plan of a build, from configs alone (CONFIG: a YAML build config, or a
+    checkpoint directory, which may hold only its config files)."""
+    from qic.cli_plan import run_plan
+    run_plan(config, _overrides(resolutions, **flags))
 
 
 @main.command()

@@ -12,7 +12,8 @@ def run_build(config, overrides) -> None:
     from qic.spec import load_spec
 
     spec = load_spec(config, overrides)
-    console = Console(stderr=True)
+    from qic.cli_plan import wide_console
+    console = wide_console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         tasks = {}
@@ -26,7 +27,7 @@ def run_build(config, overrides) -> None:
             elif nbytes:
                 bar.advance(tasks[key], nbytes)
 
-        report = build(spec, progress)
+        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec))
     table = Table(title=f"qic build -> {report.output}", show_lines=False)
     for col in ("stage", "item", "result", "size", "time"):
         table.add_column(col, justify="right" if col in ("size", "time") else "left")
@@ -47,3 +48,10 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _print_plan(plan, spec) -> None:
+    """The memory plan on stdout, before any work (stderr stays for progress and errors; rich's live
+    progress display prints stdout above itself)."""
+    from qic.cli_plan import print_plan, wide_console
+    print_plan(plan, spec.model or "embedded:tiny", wide_console())

@@ -184,7 +184,7 @@ def test_row_linear_reduce_runs_in_the_loop():
     ref = sensitize_(QwenMMDiT(config)).eval()
     looped = LoopedMMDiT(config).eval()
     load_weights(looped, stack_block_weights(ref.state_dict(), "transformer_blocks", config.num_layers), "transformer")
-    rows = [n for n, m in looped.named_modules() if isinstance(m, RowLinear)]
+    rows = [n for n, m in looped.named_modules() if isinstance(m, RowLinear) and n.startswith("transformer_blocks.")]
     assert rows == ["transformer_blocks.template.attn.to_out.0", "transformer_blocks.template.attn.to_add_out",
                     "transformer_blocks.template.img_mlp.net.2", "transformer_blocks.template.txt_mlp.net.2"]
     for model in (ref, looped):

@@ -168,7 +168,9 @@ def test_tp_shapes():
     assert sd["transformer_blocks.0.attn.to_q.weight"].shape == (half, dim)
     assert sd["transformer_blocks.0.attn.to_out.0.weight"].shape == (dim, half)
     assert sd["transformer_blocks.0.img_mlp.net.2.weight"].shape == (dim, config.mlp_dim // 2)
-    assert sd["transformer_blocks.0.img_mod.1.weight"].shape == (6 * dim, dim)  # replicated
+    assert sd["transformer_blocks.0.img_mod.1.weight"].shape == (3 * dim, dim)  # column-parallel + gather
+    assert sd["norm_out.linear.weight"].shape == (dim, dim) and sd["txt_in.weight"].shape[0] == half
+    assert sd["img_in.weight"].shape == (dim, config.in_channels)  # thin: stays whole
     with pytest.raises(ConfigError, match="4 attention heads"):
         QwenMMDiT(config, tp_size=3)
 

@@ -235,9 +235,13 @@ def test_tp_shard_shapes():
     assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (cfg.num_kv_heads // 2 * d, cfg.hidden_size)
     assert sd["model.layers.0.self_attn.o_proj.weight"].shape == (cfg.hidden_size, cfg.num_heads // 2 * d)
     assert sd["model.layers.0.mlp.down_proj.weight"].shape == (cfg.hidden_size, cfg.intermediate_size // 2)
-    assert sd["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
+    assert sd["model.embed_tokens.weight"].shape == (cfg.vocab_size // 2, cfg.hidden_size)  # vocab-parallel
+    assert sd["model.embed_tokens.vocab_start"].shape == (1,)  # per-rank, written by stage 1
     with pytest.raises(ConfigError, match=r"num_key_value_heads=2 .*tp_size=3"):
         QwenTextEncoder(cfg, tp_size=3)  # 6 query heads divide, 2 kv heads do not
+    odd = TextEncoderConfig.from_dict({**preset("tiny-alt")["text_encoder"], "vocab_size": 1023})
+    with pytest.raises(ConfigError, match=r"vocab_size=1023 is not divisible by tp_size=2"):
+        QwenTextEncoder(odd, tp_size=2)
 
 
 # ------------------------------------------------------------------------------------------ export

@@ -268,7 +268,7 @@ def _rank_compiled(rank: int, tp: int, files: dict, workdir: str) -> dict:
         done.write_text(json.dumps({"pt2": str(pt2), "weight_inputs": art.meta["weight_inputs"],
                                     "graph_key": art.graph_key}))
     else:
-        names = [n for n, _ in m.named_parameters()]
+        names = [*dict(m.named_parameters()), *dict(m.named_buffers())]  # as compile_graph: buffers too
         with torch.no_grad():
             program = torch.export.export(WeightsAsInputs(m, names), ((ids, mask), [shard[n] for n in names]))
         info["graph_key"] = graph_key(program, gdef, {}, backend.identity())
@@ -337,9 +337,61 @@ def test_shards_reassemble_to_tp1_tensors(shards, full_weights):
                     assert torch.equal(torch.cat(parts, dim), t), (comp, tp, name)
                 for r, p in enumerate(parts):  # the in-memory helper slices as stage 1 does
                     assert torch.equal(T.shard_state_dict(comp, {name: t}, r, tp)[name], p)
-            # TE: q,k,v weight+bias, o, gate, up, down per layer = 10; denoiser: 6 qkv x2 + 2 out + 2x3 mlp = 20
-            expected = {"text_encoder": 10 * 2, "denoiser": 20 * 3, "vae_decoder": 0}[comp]
+            # TE: q,k,v weight+bias, o, gate, up, down per layer = 10, plus the embedding; denoiser per block:
+            # 6 qkv x2 + 2 out + 2x3 mlp + 2 mod x2 = 24, plus norm_out, txt_in and linear_1 (x2) and linear_2
+            expected = {"text_encoder": 10 * 2 + 1, "denoiser": 24 * 3 + 7, "vae_decoder": 0}[comp]
             assert n_split == expected, (comp, n_split)
+
+
+def _data_bytes(path) -> dict[str, tuple[int, int]]:
+    """name -> (bytes, ndim) of every tensor in a safetensors file, from its header."""
+    from qic.checkpoint.safetensors_file import read_header
+    return {n: (i.nbytes, len(i.shape)) for n, i in read_header(Path(path)).tensors.items()}
+
+
+def test_per_rank_bytes_shrink_with_tp(shards):
+    """Each rank's denoiser and text-encoder file holds at most 1.05 x (TP 1 bytes) / TP, plus the small
+    tensors that must stay whole: 1-D ones (norms, row-parallel biases) and the per-rank vocab offset.
+    Before the modulation, the embedding and the other dim-wide projections were split, this checkpoint's
+    ranks held 0.528x (denoiser) and 0.481x (text encoder) of TP 1 at TP 4, which fails here."""
+    for comp in ("text_encoder", "denoiser"):
+        tp1 = _data_bytes(shards[(comp, 1)][0])
+        total1 = sum(b for b, _ in tp1.values())
+        for tp in (2, 4):
+            for r, f in enumerate(shards[(comp, tp)]):
+                mine = _data_bytes(f)
+                whole = sum(b for n, (b, nd) in mine.items() if nd <= 1 and (n not in tp1 or tp1[n][0] == b))
+                total = sum(b for b, _ in mine.values())
+                FIGURES[f"bytes {comp} tp={tp} rank{r}"] = f"{total / total1:.3f}x TP 1 ({whole} B whole 1-D)"
+                assert total <= 1.05 * total1 / tp + whole, (comp, tp, r, total, total1, whole)
+
+
+def test_vocab_embedding_and_gather_linear_reassemble():
+    """Four ranks simulated in one process: the ranks' masked lookups add up to the whole table's lookup
+    bit for bit (ids at every boundary included), and the ranks' GatherLinear chunks in rank order are the
+    whole Linear's output, as the all_reduce and the all_gather make them."""
+    from qic.models.common import GatherLinear, VocabEmbedding
+    g = torch.Generator().manual_seed(0)
+    whole = VocabEmbedding(16, 5)
+    whole.weight.data = torch.randn(16, 5, generator=g)
+    ids = torch.tensor([[0, 3, 4, 7, 8, 11, 12, 15]])
+    total = 0
+    for rank in range(4):
+        part = VocabEmbedding(16, 5, tp_size=4)
+        sd = T.shard_state_dict("text_encoder", {"model.embed_tokens.weight": whole.weight.data}, rank, 4)
+        part.load_state_dict({k.removeprefix("model.embed_tokens."): v for k, v in sd.items()})
+        out = part(ids)
+        assert int((out.abs().sum(-1) > 0).sum()) == 2  # each rank holds two of the eight ids
+        total = total + out
+    assert torch.equal(total, whole(ids))
+    lin = torch.nn.Linear(6, 12)
+    x = torch.randn(3, 6, generator=g)
+    chunks = []
+    for rank in range(4):
+        part = GatherLinear(6, 3)
+        part.weight.data, part.bias.data = lin.weight.data.chunk(4)[rank], lin.bias.data.chunk(4)[rank]
+        chunks.append(part(x))
+    assert torch.allclose(torch.cat(chunks, -1), lin(x), rtol=0, atol=1e-6)  # same dot products, fp32
 
 
 def test_tiny_preset_stage1_shards_at_tp2(tiny_ckpt, tmp_path):
@@ -439,7 +491,7 @@ def test_compiled_tp_graph_one_artifact_for_all_ranks(compiled_run, reference):
     assert r0["pt2"] == r1["pt2"]
     assert r0["graph_key"] == r1["graph_key"]  # rank 1's own export would name the same artifact
     assert r0["cpp_all_reduce"] and all(f'"sum", "{r0["group_name"]}"' in ln for ln in r0["cpp_all_reduce"])
-    assert len(r0["cpp_all_reduce"]) == 2 * 2  # o_proj and down_proj in each of the 2 layers
+    assert len(r0["cpp_all_reduce"]) == 2 * 2 + 1  # o_proj and down_proj in each of the 2 layers, the embedding
     ref = reference["text_encoder"]
     for r, res in enumerate((r0, r1)):
         c, e = cosine(res["out"], ref), rel_l2(res["out"], ref)

@@ -120,12 +120,16 @@ def tp_of(component: str, tp: int) -> int:
     return tp if plans.PLANS[component] else 1
 
 
-def build(spec: BuildSpec, progress=None) -> BuildReport:
+def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
+    """on_plan(MemoryPlan), if given, is called once the spec is validated, before any work (qic.build.memplan)."""
     t0 = time.perf_counter()
     options = {"compiler_args": dict(spec.compiler_args), "lnc": spec.lnc} if spec.backend == "neuron" else {}
     backend = get_backend(spec.backend, spec.device, **options)
     ctx = Context(spec, progress)
     validate(spec, ctx)
+    if on_plan is not None:
+        from qic.build.memplan import plan_memory
+        on_plan(plan_memory(spec, ctx.configs, ctx.raw, ctx.cache))
     report = BuildReport(ctx.output)
     sweep_stale(ctx.cache / "shards")
     sweep_stale(ctx.cache / "graphs")
@@ -237,26 +241,33 @@ def compile_job(job: GraphJob, ctx: Context, backend, weights_path: Path | None 
                                 backend, set(names), ctx.cache, job.spec_key, remote=remote, sign=sign)
 
 
+def graph_shapes(spec: BuildSpec) -> list[tuple[str, dict]]:
+    """(component, shape) for every graph the spec asks for, in build order."""
+    out = [("text_encoder", {"bucket": b}) for b in spec.text_buckets if "text_encoder" in spec.components]
+    if "denoiser" in spec.components:
+        # The CFG graph's shape has no "cfg" entry: its name and spec key predate the no-CFG graph.
+        out += [("denoiser", {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}))
+                for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
+    if "vae_decoder" in spec.components:
+        out += [("vae_decoder", {"resolution": [h, w]}) for h, w in spec.resolutions]
+    return out
+
+
+def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
+    """The GraphDef of one graph around a component module (weights bound, or fake for estimates)."""
+    if component == "text_encoder":
+        return text_encoder_graph(module, shape["bucket"])
+    if component == "denoiser":
+        h, w = shape["resolution"]
+        return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
+                              shape["bucket"], dtype, cfg=shape.get("cfg", True))
+    return vae_decoder_graph(module, *shape["resolution"])
+
+
 def plan_graphs(spec: BuildSpec, ctx: Context):
     """(component, maker(module) -> GraphDef, shape) for every graph the spec asks for."""
-    vae_scale = ctx.configs["vae_decoder"].scale_factor
-    out = []
-    if "text_encoder" in spec.components:
-        for b in spec.text_buckets:
-            out.append(("text_encoder", lambda m, b=b: text_encoder_graph(m, b), {"bucket": b}))
-    if "denoiser" in spec.components:
-        cfg, dtype = ctx.configs["denoiser"], spec.dtype_of("denoiser")
-        for h, w in spec.resolutions:
-            for b in spec.text_buckets:
-                for guided in spec.cfg:
-                    # The CFG graph's shape has no "cfg" entry: its name and spec key predate the no-CFG graph.
-                    shape = {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False})
-                    out.append(("denoiser", lambda m, h=h, w=w, b=b, g=guided: denoiser_graph(
-                        m, cfg, vae_scale, h, w, b, dtype, cfg=g), shape))
-    if "vae_decoder" in spec.components:
-        for h, w in spec.resolutions:
-            out.append(("vae_decoder", lambda m, h=h, w=w: vae_decoder_graph(m, h, w), {"resolution": [h, w]}))
-    return out
+    return [(name, lambda m, n=name, s=shape: make_graph(n, m, ctx.configs, s, spec.dtype_of(n)), shape)
+            for name, shape in graph_shapes(spec)]
 
 
 def _graph_name(component: str, shape: dict) -> str:

@@ -50,7 +50,7 @@ def shard_key(ckpt_digest: str, component: Component, tp: int, dtype: str, loope
         h.update(b"lora\0" + lora_key(list(loras)).encode() + b"\0" + Path(lora_module.__file__).read_bytes())
     for part in (b"qic-shard-v1", ckpt_digest.encode(), component.name.encode(), str(tp).encode(), dtype.encode(),
                  b"looped" if looped else b"unrolled",
-                 str(plans.PLAN_VERSION).encode(), json.dumps(plans.PLANS[component.name]).encode(),
+                 plans.plan_text(component.name).encode(),
                  source_digest(component)):
         h.update(part + b"\0")
     return h.hexdigest()[:32]
@@ -72,11 +72,14 @@ def shard_component(ckpt: Checkpoint, component: Component, config, ckpt_digest:
         hit = _intact(final, tp)
         if hit:
             return ShardResult(key, final, hit, True, sum(p.stat().st_size for p in hit))
-        plan = _groups(_plan(ckpt, component, config, tp, dtype), component, config, tp, looped)
+        entries = _plan(ckpt, component, config, tp, dtype)
+        plan = _groups(entries, component, config, tp, looped)
+        full_shapes = {e.name: e.shape for e in entries}
+        extras = [plans.rank_tensors(component.name, full_shapes, rank, tp) for rank in range(tp)]
         with staging_dir(final) as tmp:
             files = [tmp / f"rank{rank}.safetensors" for rank in range(tp)]
-            _write_ranks(files, plan, ckpt.weights(component.folder).tensors, component, TORCH_DTYPES[dtype],
-                         progress, list(loras))
+            _write_ranks(files, plan, extras, ckpt.weights(component.folder).tensors, component,
+                         TORCH_DTYPES[dtype], progress, list(loras))
             stamps = {p.name: _stamp(p) for p in files}
             write_json_atomic(tmp / "meta.json", {"component": component.name, "tp": tp, "dtype": dtype,
                                                   "qic": __version__, "files": stamps})
@@ -139,6 +142,10 @@ def _plan(ckpt: Checkpoint, component: Component, config, tp: int, dtype: str) -
             raise CheckpointError(f"{weights.directory}: tensor {e.source} has shape {e.shape}, "
                                   f"the config implies {full[e.name]}")
     per_rank = expected_tensors(component, config, tp)  # raises a ConfigError naming counts if tp does not divide
+    derived = sorted(set(per_rank) - set(full))
+    if tp > 1 and derived != sorted(plans.RANK_TENSORS[component.name]):
+        raise CheckpointError(f"{component.name}: the TP={tp} model holds {derived}, which the plan's per-rank "
+                              f"tensors {sorted(plans.RANK_TENSORS[component.name])} do not provide")
     for e in entries:
         sliced = plans.rank_slice(component.name, e.name, torch.empty(e.shape, device="meta"), 0, tp)
         if tuple(sliced.shape) != per_rank[e.name]:
@@ -178,12 +185,15 @@ def _groups(entries: list[_Entry], component: Component, config, tp: int, looped
     return sorted(groups, key=lambda g: g.name)
 
 
-def _header(plan: list[_Entry], component: Component, rank: int, tp: int, dtype: torch.dtype) -> bytes:
+def _header(plan: list[_Entry], extras: dict[str, torch.Tensor], component: Component, rank: int, tp: int,
+            dtype: torch.dtype) -> bytes:
+    """The rank file's header: the plan's tensors in order, then the rank's own extra tensors."""
+    items = [(e.name, dtype, _rank_shape(component, e, rank, tp)) for e in plan]
+    items += [(name, t.dtype, tuple(t.shape)) for name, t in extras.items()]
     header, offset = {}, 0
-    for e in plan:
-        shape = _rank_shape(component, e, rank, tp)
-        nbytes = dtype.itemsize * _numel(shape)
-        header[e.name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    for name, dt, shape in items:
+        nbytes = dt.itemsize * _numel(shape)
+        header[name] = {"dtype": DTYPE_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
@@ -198,8 +208,8 @@ def _rank_shape(component: Component, g, rank: int, tp: int) -> tuple:
     return tuple(plans.rank_slice(component.name, g.name, torch.empty(g.shape, device="meta"), rank, tp).shape)
 
 
-def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: Component, dtype: torch.dtype,
-                 progress, loras: list | None = None) -> None:
+def _write_ranks(paths: list[Path], plan: list[_Entry], extras: list[dict], infos: dict, component: Component,
+                 dtype: torch.dtype, progress, loras: list | None = None) -> None:
     """One pass over the source tensors writes every rank's file: each tensor is read once, into one
     reused buffer, and its source pages are dropped from the page cache after use."""
     tp = len(paths)
@@ -207,7 +217,7 @@ def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: 
     outs = [open(p, "wb") for p in paths]
     try:
         for rank, f in enumerate(outs):
-            f.write(_header(plan, component, rank, tp, dtype))
+            f.write(_header(plan, extras[rank], component, rank, tp, dtype))
         # In offset order, one tensor in memory at a time; a stack is its layers written back to back.
         for e in (e for g in plan for e in g.entries):
             t = component.convert({e.source: merge(e.source, reader.read(infos[e.source]), loras or [])})[e.name]
@@ -221,6 +231,9 @@ def _write_ranks(paths: list[Path], plan: list[_Entry], infos: dict, component: 
             del t, part
             if _TEST_DELAY:
                 time.sleep(_TEST_DELAY)
+        for rank, f in enumerate(outs):  # after the streamed tensors, as the header orders them
+            for t in extras[rank].values():
+                f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
         for f in outs:
             f.flush()
             os.fsync(f.fileno())

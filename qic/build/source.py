@@ -32,7 +32,7 @@ def resolve_model(model: str | None, cache_dir: Path, configs_only: bool = False
     return Checkpoint(_from_hub(model, _HUB_CONFIG_PATTERNS if configs_only else _HUB_PATTERNS), model_id=model)
 
 
-def _from_hub(repo_id: str, patterns: list[str]) -> Path:
+def _from_hub(repo_id: str, patterns: list[str] = _HUB_PATTERNS) -> Path:
     """Resolve through huggingface-hub; HF_HUB_OFFLINE=1 uses only the local hub cache."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -47,3 +47,29 @@ def _from_hub(repo_id: str, patterns: list[str]) -> Path:
     except Exception as e:  # network errors, missing repos, auth: one line naming the id
         raise CheckpointError(f"{repo_id}: hub resolution failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                               "check the id, your network, or pass a local directory") from None
+
+
+_CONFIG_PATTERNS = ["model_index.json", "scheduler/*.json", "text_encoder/config.json", "transformer/config.json",
+                    "vae/config.json"]
+
+
+def resolve_configs(model: str | None, cache_dir: Path) -> tuple[dict, dict]:
+    """(parsed config per component, raw config per checkpoint folder), reading configs only: an embedded
+    preset, a local directory (weights not needed), or a hub id (only its config files are fetched)."""
+    from qic.build.components import COMPONENTS
+    from qic.checkpoint.presets import preset
+
+    folders = ("text_encoder", "transformer", "vae")
+    if model is None or model.startswith(EMBEDDED_PREFIX):
+        name = model[len(EMBEDDED_PREFIX):] if model else "tiny"
+        try:
+            raw = {f: preset(name)[f] for f in folders}
+        except KeyError as e:
+            raise CheckpointError(str(e.args[0]), "use embedded:tiny, embedded:tiny-alt or embedded:small") from None
+    else:
+        path = Path(model).expanduser()
+        if not (path.exists() or model.startswith((".", "/", "~")) or not _HUB_ID.match(model)):
+            path = _from_hub(model, _CONFIG_PATTERNS)
+        ckpt = Checkpoint(path)
+        raw = {f: ckpt.config(f) for f in folders}
+    return {n: c.parse_config(raw[c.folder]) for n, c in COMPONENTS.items()}, raw

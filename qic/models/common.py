@@ -1,4 +1,5 @@
-"""Pieces shared by the model files: config checking, strict weight loading, RMSNorm."""
+"""Pieces shared by the model files: config checking, strict weight loading, RMSNorm, the tensor-parallel
+layers (RowLinear, GatherLinear, VocabEmbedding) whose collectives the TP plan sets from outside."""
 
 from __future__ import annotations
 
@@ -87,3 +88,52 @@ class RowLinear(nn.Linear):
         if self.reduce is not None:
             y = self.reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+class GatherLinear(nn.Linear):
+    """A column-parallel Linear whose (small) output every rank needs whole: the modulation and output-norm
+    projections, the text input projection.
+
+    Each rank holds a contiguous chunk of the output features; `gather` (set by the TP plan) all-gathers
+    the chunks in rank order, which is the whole output in the original feature order. With `gather`
+    unset it is exactly nn.Linear. Tensor names are nn.Linear's.
+    """
+
+    gather = None  # callable(tensor [..., n]) -> tensor [..., tp * n]; a class default keeps state_dict clean
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y if self.gather is None else self.gather(y)
+
+
+class VocabEmbedding(nn.Module):
+    """A token embedding whose vocabulary rows may be split across tensor-parallel ranks.
+
+    tp_size 1: exactly F.embedding over the whole table (tensor name `weight`). tp_size N: `weight` holds
+    vocab_size / N consecutive rows starting at `vocab_start` (a per-rank int64 [1] tensor that stage 1
+    writes into each rank's weights, so one compiled graph serves every rank). Ids outside the rank's rows
+    look up zeros, and `reduce` (the TP plan's all_reduce sum) adds the ranks' parts: exactly one rank
+    contributes each token's row and the others add exact zeros, so the result equals TP=1 bit for bit.
+    """
+
+    reduce = None
+
+    def __init__(self, vocab_size: int, dim: int, tp_size: int = 1):
+        super().__init__()
+        if vocab_size % tp_size:
+            raise ConfigError(f"vocab_size={vocab_size} is not divisible by tp_size={tp_size}",
+                              "use a TP that divides the vocabulary (the real Qwen-Image's 152064 divides by 2, 4, 8)")
+        self.tp_size = tp_size
+        # Uninitialised: weights are always loaded (an init costs time on the real 152064 x 3584 table).
+        self.weight = nn.Parameter(torch.empty(vocab_size // tp_size, dim))
+        if tp_size > 1:
+            self.register_buffer("vocab_start", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return torch.nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = torch.nn.functional.embedding(torch.where(inside, local, 0), self.weight)
+        x = torch.where(inside[..., None], x, 0)
+        return x if self.reduce is None else self.reduce(x)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
-from qic.models.common import RMSNorm, RowLinear, check_config_keys, require_value
+from qic.models.common import GatherLinear, RMSNorm, RowLinear, check_config_keys, require_value
 
 COMPONENT = "transformer"
 # Architecture constants of diffusers' class (not in config.json): FeedForward's default mult, the
@@ -147,19 +147,21 @@ def timestep_proj(t: torch.Tensor) -> torch.Tensor:
 
 
 class TimestepEmbedder(nn.Module):
-    def __init__(self, dim: int):
+    """linear_1 column-parallel, silu, linear_2 row-parallel (a Megatron MLP on the [B, dim] embedding)."""
+
+    def __init__(self, dim: int, tp_size: int = 1):
         super().__init__()
-        self.linear_1 = nn.Linear(TIME_PROJ_DIM, dim)
-        self.linear_2 = nn.Linear(dim, dim)
+        self.linear_1 = nn.Linear(TIME_PROJ_DIM, dim // tp_size)
+        self.linear_2 = RowLinear(dim // tp_size, dim)
 
     def forward(self, x):
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
 class TimeTextEmbed(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, tp_size: int = 1):
         super().__init__()
-        self.timestep_embedder = TimestepEmbedder(dim)
+        self.timestep_embedder = TimestepEmbedder(dim, tp_size)
 
 
 class GeluProj(nn.Module):
@@ -217,10 +219,11 @@ def _modulate(x, shift, scale):
 
 
 class MMDiTBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int):
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, tp_size: int = 1):
         super().__init__()
-        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))  # replicated under TP
-        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        # Modulation: column-parallel, its small [B, 6 * dim] output gathered whole (every rank needs all six).
+        self.img_mod = nn.Sequential(nn.SiLU(), GatherLinear(dim, 6 * dim // tp_size))
+        self.txt_mod = nn.Sequential(nn.SiLU(), GatherLinear(dim, 6 * dim // tp_size))
         self.attn = JointAttention(dim, heads, head_dim)
         self.img_mlp = FeedForward(dim, mlp_hidden)
         self.txt_mlp = FeedForward(dim, mlp_hidden)
@@ -247,9 +250,9 @@ class MMDiTBlock(nn.Module):
 class NormOut(nn.Module):
     """AdaLayerNormContinuous without affine: note the (scale, shift) order, unlike the blocks."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, tp_size: int = 1):
         super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim)
+        self.linear = GatherLinear(dim, 2 * dim // tp_size)  # column-parallel, [B, 2 * dim] gathered
         self.dim = dim
 
     def forward(self, x, temb):
@@ -259,7 +262,9 @@ class NormOut(nn.Module):
 
 class QwenMMDiT(nn.Module):
     """The denoiser. state_dict keys are diffusers' tensor names; with tp_size > 1 each rank holds
-    heads // tp_size heads and mlp_dim // tp_size MLP columns (the TP execution plan is set elsewhere)."""
+    heads // tp_size heads and mlp_dim // tp_size MLP columns, and a 1 / tp_size part of the modulation,
+    timestep-embedding, text-input and output-norm projections; img_in and proj_out (thin: 64 latent
+    channels) stay whole. The TP execution plan (the collectives) is set elsewhere."""
 
     def __init__(self, config: MMDiTConfig, tp_size: int = 1):
         super().__init__()
@@ -271,12 +276,12 @@ class QwenMMDiT(nn.Module):
         dim = c.inner_dim
         self.img_in = nn.Linear(c.in_channels, dim)
         self.txt_norm = RMSNorm(c.joint_attention_dim, EPS)
-        self.txt_in = nn.Linear(c.joint_attention_dim, dim)
-        self.time_text_embed = TimeTextEmbed(dim)
+        self.txt_in = GatherLinear(c.joint_attention_dim, dim // tp_size)  # column-parallel, gathered once
+        self.time_text_embed = TimeTextEmbed(dim, tp_size)
         self.transformer_blocks = nn.ModuleList(
-            MMDiTBlock(dim, c.num_attention_heads // tp_size, c.attention_head_dim, c.mlp_dim // tp_size)
+            MMDiTBlock(dim, c.num_attention_heads // tp_size, c.attention_head_dim, c.mlp_dim // tp_size, tp_size)
             for _ in range(c.num_layers))
-        self.norm_out = NormOut(dim)
+        self.norm_out = NormOut(dim, tp_size)
         self.proj_out = nn.Linear(dim, c.out_features)
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,

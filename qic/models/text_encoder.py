@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import CheckpointError, ConfigError
-from qic.models.common import RMSNorm, RowLinear, check_config_keys
+from qic.models.common import RMSNorm, RowLinear, VocabEmbedding, check_config_keys
 
 COMPONENT = "text_encoder"
 
@@ -248,10 +248,13 @@ class _LanguageModel(nn.Module):
 
     def __init__(self, cfg: TextEncoderConfig, tp_size: int):
         super().__init__()
-        # replicated under TP. Built uninitialised: weights are always loaded, and the default normal_
-        # init on the meta device (how the build sizes modules) costs a 1 s import of torch._dynamo.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # Vocab-parallel under TP (each rank holds vocab_size / tp rows; the real 152064 divides by 2, 4 and 8,
+        # and TP cannot exceed the 4 key/value heads anyway, so no padding). Built uninitialised: weights are
+        # always loaded, and the default normal_ init costs a 1 s import of torch._dynamo.
+        _tp_local(cfg.num_heads, tp_size, "num_attention_heads")  # the usual limit on TP is named first
+        _tp_local(cfg.num_kv_heads, tp_size, "num_key_value_heads")
+        _tp_local(cfg.vocab_size, tp_size, "vocab_size")
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size)
         self.layers = nn.ModuleList(_DecoderLayer(cfg, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -261,8 +264,9 @@ class QwenTextEncoder(nn.Module):
     model.layers.{i}.self_attn.{q,k,v,o}_proj.*, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
     model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight (the hub's names).
 
-    With tp_size > 1 the module holds one rank's shard shapes (heads, kv heads and MLP width divided by
-    tp_size); o_proj/down_proj are RowLinear, whose `reduce` the TP plan sets.
+    With tp_size > 1 the module holds one rank's shard shapes (heads, kv heads, MLP width and vocabulary
+    rows divided by tp_size, plus the embedding's per-rank `model.embed_tokens.vocab_start`);
+    o_proj/down_proj are RowLinear and embed_tokens a VocabEmbedding, whose `reduce` the TP plan sets.
     """
 
     def __init__(self, config: TextEncoderConfig, tp_size: int = 1):

@@ -1,0 +1,143 @@
+"""`qic plan`: the memory / disk / compile plan from configs alone (qic.build.memplan, qic.cli_plan)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from qic.bench.peak import measure
+from qic.build.components import COMPONENTS
+from qic.build.memplan import DEFAULT_COMPILE_SECONDS, estimate_graph, plan_memory, weight_bytes
+from qic.build.source import resolve_configs
+from qic.checkpoint.presets import preset
+from qic.cli import main
+from qic.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = ROOT / "tests" / "fixtures" / "qwen-image-configs"   # the public Qwen/Qwen-Image configs, no weights
+REAL_YAML = ROOT / "configs" / "qwen-image-512.yaml"        # bf16 text encoder and denoiser, fp32 VAE
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) >= 5:
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_plan_prints_real_qwen_image_at_tp(tp, tmp_path):
+    res = CliRunner().invoke(main, ["plan", str(REAL_YAML), "--model", str(REAL), "--tp", str(tp),
+                                    "--text-buckets", "128,", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    print(out)
+    assert f"tp={tp}" in out and "run:" in out and "3 graphs" in out
+    rows = _table_rows(out)
+    for name in ("text_encoder", "denoiser", "vae_decoder", "text_encoder@L128", "denoiser@512x512@L128",
+                 "vae_decoder@512x512"):
+        assert name in rows, name
+    # TE and denoiser split across ranks (1.05x slack for what stays whole), the VAE replicated.
+    for comp in ("text_encoder", "denoiser"):
+        assert rows[comp][2] == str(tp) and float(rows[comp][4]) <= 1.05 / tp, rows[comp]
+    assert rows["vae_decoder"][2] == "1" and rows["vae_decoder"][4] == "1.000"
+
+
+def test_real_weight_bytes_match_the_published_sizes():
+    """The configs' README: transformer about 20.4B parameters; the text encoder's language model (what
+    qic loads; the vision tower is not read) about 7.1B of its 8.3B."""
+    configs, _ = resolve_configs(str(REAL), ROOT)
+    dn = weight_bytes("denoiser", configs["denoiser"], 1, "bfloat16") / 2
+    te = weight_bytes("text_encoder", configs["text_encoder"], 1, "bfloat16") / 2
+    assert 20.3e9 < dn < 20.5e9 and 7.0e9 < te < 7.2e9, (dn, te)
+    for tp in (2, 4):  # per-rank bytes, the plan's own account (the shard-file test is in test_tp.py)
+        assert weight_bytes("denoiser", configs["denoiser"], tp, "bfloat16") / 2 <= 1.05 * dn / tp
+
+
+# Shapes large enough that each graph's peak is well above the kernel's resident-set counter batching
+# (tens of pages): the tiny text encoder at its longest bucket, the rest at 256x256.
+MEASURED = {
+    "tiny": [("text_encoder", {"bucket": 1024}), ("denoiser", {"resolution": [256, 256], "bucket": 128}),
+             ("vae_decoder", {"resolution": [256, 256]})],
+    "small": [("text_encoder", {"bucket": 512}), ("denoiser", {"resolution": [256, 256], "bucket": 128}),
+              ("vae_decoder", {"resolution": [256, 256]})],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_estimates_within_25_percent_of_measured_peaks(name):
+    """Estimated peak (weights + inputs + live activations on fake tensors) against the resident-set growth
+    of a process running the graph eagerly with real weights (qic.bench.peak). The bound can fail: the
+    estimate for a smaller resolution, set against the same measurement, falls far outside it."""
+    raw = preset(name)
+    configs = {n: c.parse_config(raw[c.folder]) for n, c in COMPONENTS.items()}
+
+    def estimate(comp, shape):
+        inputs, largest, act = estimate_graph(comp, configs, 1, "float32", shape)
+        assert largest <= act
+        return weight_bytes(comp, configs[comp], 1, "float32") + inputs + act, act
+
+    for (comp, shape), m in zip(MEASURED[name], measure(name, MEASURED[name])):
+        est, act = estimate(comp, shape)
+        print(f"{name} {m['graph']}: estimated {est / 1e6:.2f} MB, measured {m['peak'] / 1e6:.2f} MB "
+              f"(activations {act / 1e6:.2f} vs {m['activations'] / 1e6:.2f} MB)")
+        assert 0.75 <= est / m["peak"] <= 1.25, (name, m, est)
+        assert m["activations"] > 1e6  # a graph the measurement can resolve
+        if comp == "vae_decoder":
+            wrong, _ = estimate(comp, {"resolution": [64, 64]})
+            assert not 0.75 <= wrong / m["peak"] <= 1.25, (wrong, m)
+
+
+def test_compile_estimate_from_cache_records(tmp_path):
+    """FAKE cache records (meta.json files written by this test, no compiled code): the plan takes each
+    component's median compile time from them, a memoised graph counts as cached, and components without
+    records fall back to the documented default."""
+    spec = parse_spec({"resolutions": ["48x80"], "text_buckets": [128], "cache_dir": str(tmp_path)})
+    configs, raw = resolve_configs(None, tmp_path)
+    for i, secs in enumerate((10.0, 30.0, 20.0)):
+        d = tmp_path / "graphs" / f"fake{i}"
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(json.dumps({"component": "denoiser", "compile_seconds": secs,
+                                                 "files": {"graph.pt2": {"bytes": 1000 * (i + 1)}}}))
+    plan = plan_memory(spec, configs, raw, tmp_path)
+    by = {g.component: g for g in plan.graphs}
+    assert by["denoiser"].compile_seconds == 20.0 and by["denoiser"].artifact_bytes == 2000
+    assert by["text_encoder"].compile_seconds == DEFAULT_COMPILE_SECONDS and not by["text_encoder"].cached
+    # Memoise the text encoder's graph as a build would (spec key -> graph key -> meta.json).
+    from qic.build.memplan import _spec_keys
+    skey = _spec_keys(spec, raw)["text_encoder@L128"]
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / skey).write_text("fake0")
+    plan = plan_memory(spec, configs, raw, tmp_path)
+    te = next(g for g in plan.graphs if g.component == "text_encoder")
+    assert te.cached and te.compile_seconds == 0.0
+
+
+def test_build_prints_the_plan_before_any_work(tmp_path):
+    """`qic build` computes the plan once the spec is validated, before stage 1 (stopped here, so nothing
+    is compiled)."""
+    from qic.build.pipeline import build
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def on_plan(plan):
+        seen.append(plan)
+        raise Stop
+
+    spec = parse_spec({"cache_dir": str(tmp_path / "cache"), "output": str(tmp_path / "out"), "tp": 2,
+                       "text_buckets": [128]})
+    with pytest.raises(Stop):
+        build(spec, on_plan=on_plan)
+    assert not (tmp_path / "cache" / "shards").exists() and not (tmp_path / "out").exists()
+    (plan,) = seen
+    assert [c.ranks for c in plan.components] == [2, 2, 1]
+    assert re.fullmatch(r"denoiser@48x80@L128", plan.graphs[1].name)
