@@ -128,8 +128,12 @@ def test_tp_hlo_has_explicit_all_reduces_and_equals_tp1_on_as_many_devices(tp):
         print(component, r)
         assert r["replica_groups"] == [json.dumps([list(range(tp))])]
         assert r["host_transfers"] == 0 and r["while"] == 1
-        # per block: attention output(s) and MLP output(s), one row-parallel reduction each
-        assert r["all_reduce"] == {"denoiser": 4, "text_encoder": 2}[component]
+        # all-reduces: per block one per row-parallel output (denoiser: both streams' attention outputs and
+        # MLPs; text encoder: o_proj and down_proj) plus one outside the loop (denoiser: the timestep
+        # embedder's row-parallel half; text encoder: the vocab-parallel embedding's sum). All-gathers: the
+        # column-parallel modulation and the gathered projections (denoiser only).
+        assert r["all_reduce"] == {"denoiser": 5, "text_encoder": 3}[component]
+        assert (r["all_gather"] > 0) == (component == "denoiser")
         assert len(r["cos"]) == tp and min(r["cos"]) >= 0.99999
         assert r["wrong_shard_cos"] < 0.999   # the comparison can fail
 

@@ -58,6 +58,7 @@ def lower(module: torch.nn.Module, inputs: list[tuple[str, torch.Tensor]], weigh
     """Trace `module(*inputs)` with `weights` substituted for its tensors (functional_call), on XLA
     placeholders of the same shapes and dtypes. Values are never read."""
     device = torch_xla.device()
+    _fresh_token()
     fake_inputs = [_placeholder(t) for _, t in inputs]
     fake_weights = {n: _placeholder(t) for n, t in weights.items()}
     with torch.no_grad(), layer_loop(while_loop), replica_groups(tp):
@@ -189,11 +190,20 @@ def while_loop(layer, carry: list[torch.Tensor], xs: list[torch.Tensor], invaria
         extra = list(invariants)  # None stays a Python constant of the body
         for i, t, d in zip(slots, fixed, dtypes):
             extra[i] = t.to(d)
+        _fresh_token()
         out, _ = layer(current, weights, extra)
+        _fresh_token()
         return (list(out), list(fixed)), ()
 
     (final, _), _ = _scan_impl_pytree(body, (list(carry), fixed0), list(xs))
     return list(final)
+
+
+def _fresh_token() -> None:
+    """torch-xla threads an ordering token from each all-gather to the next on the device. Across a loop
+    body's boundary, or from one graph's lowering to the next, that token would carry the body's (or the
+    other graph's) placeholders along as parameters: start each region with a fresh one."""
+    torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
 
 
 # --------------------------------------------------------------------------------------------- collectives

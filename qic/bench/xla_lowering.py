@@ -106,8 +106,9 @@ def tp_check(tp: int) -> dict:
         w = want.flatten().float()
         out[component] = {
             "hlo_bytes": len(low.proto), "lower_seconds": round(seconds, 3),
-            "all_reduce": ops["all-reduce"], "while": ops["while"],
-            "replica_groups": sorted({json.dumps(g) for g in hlo_proto.replica_groups(low.proto)}),
+            "all_reduce": ops["all-reduce"], "all_gather": ops["all-gather"], "while": ops["while"],
+            "replica_groups": sorted({json.dumps(g) for op in ("all-reduce", "all-gather")
+                                      for g in hlo_proto.replica_groups(low.proto, op)}),
             "host_transfers": sum(ops[o] for o in HOST_TRANSFER_OPS),
             "cos": [torch.nn.functional.cosine_similarity(o[0].flatten().float(), w, 0).item() for o in outs],
             "rel_l2": [((o[0].flatten().float() - w).norm() / w.norm()).item() for o in outs],
