@@ -235,7 +235,7 @@ class StackedLayers(nn.Module):
             # ("<built-in function getitem> is not an OpOverload"); it costs an [L] tensor.
             return out, out[0].new_zeros(())
 
-        custom = _LOOP.get()
+        custom = None if torch.compiler.is_compiling() else _LOOP.get()   # dynamo cannot trace a ContextVar
         if custom is not None:
             final = custom(layer, list(carry), list(xs.values()), invariants)
         elif torch.compiler.is_compiling():
