@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from tests.conftest import TINY_RES
-from tests.test_neuron_loader_fake import fnv1a64
+from tests.test_neuron_loader_fake import fake_libnrt, fnv1a64  # noqa: F401  (fixture)
 from tests.test_neuron_xla import xla
 
 FAKES = Path(__file__).resolve().parent / "fakes"
@@ -83,15 +82,6 @@ def test_lower_only_then_compiler_recompiles_nothing_lowered(fake_builds):
     assert rows and all("cached" in r for r in rows), second.stdout
     # ...and the third compiled no NEFF either.
     assert calls_after_third == calls and "100% hits" in third.stdout
-
-
-@pytest.fixture(scope="module")
-def fake_libnrt(tmp_path_factory) -> Path:
-    if not shutil.which("gcc"):
-        pytest.fail("gcc is needed to build the fake libnrt")
-    out = tmp_path_factory.mktemp("libnrt") / "libnrt_fake.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(out), str(FAKES / "fake_libnrt.c")], check=True)
-    return out
 
 
 # Each rank loads the bundle as `qic run --tp N` would (qic.runtime.bundle.Bundle, device neuron) and calls

@@ -94,14 +94,18 @@ def _attributes(pairs: dict[str, str]) -> bytes:
     return encode([(1, LEN, encode([(1, LEN, k.encode()), (2, LEN, v.encode())])) for k, v in pairs.items()])
 
 
-def _with_attributes(instruction: list[Field], pairs: dict[str, str]) -> list[Field]:
-    existing = {}
+def _read_attributes(instruction: list[Field]) -> dict[str, str]:
+    out = {}
     for n, _, v in instruction:
         if n == 68:
             for _, _, entry in fields(v):
                 e = list(fields(entry))
-                existing[_get(e, 1, b"").decode()] = _get(e, 2, b"").decode()
-    merged = {**existing, **pairs}
+                out[_get(e, 1, b"").decode()] = _get(e, 2, b"").decode()
+    return out
+
+
+def _with_attributes(instruction: list[Field], pairs: dict[str, str]) -> list[Field]:
+    merged = {**_read_attributes(instruction), **pairs}
     return [f for f in instruction if f[0] != 68] + [(68, LEN, _attributes(merged))]
 
 
@@ -227,20 +231,7 @@ def replica_groups(proto: bytes, opcode: str = "all-reduce") -> list[list[list[i
     for instr in instructions(proto):
         if _get(instr, 2, b"").decode() != opcode:
             continue
-        per = []
-        for n, _, v in instr:
-            if n == 49:
-                ids = []
-                for m, w, x in fields(v):
-                    if m == 1 and w == LEN:   # packed repeated int64
-                        pos = 0
-                        while pos < len(x):
-                            val, pos = _varint(x, pos)
-                            ids.append(val)
-                    elif m == 1:
-                        ids.append(x)
-                per.append(ids)
-        groups.append(per)
+        groups.append([_ints(list(fields(v)), 1) for n, _, v in instr if n == 49])
     return groups
 
 
@@ -248,12 +239,7 @@ def entry_attributes(proto: bytes) -> dict[str, dict[str, str]]:
     """name -> frontend attributes, for the entry computation's instructions that have any."""
     out = {}
     for instr in instructions(proto, entry_only=True):
-        attrs = {}
-        for n, _, v in instr:
-            if n == 68:
-                for _, _, entry in fields(v):
-                    e = list(fields(entry))
-                    attrs[_get(e, 1, b"").decode()] = _get(e, 2, b"").decode()
+        attrs = _read_attributes(instr)
         if attrs:
             out[_get(instr, 1, b"").decode()] = attrs
     return out

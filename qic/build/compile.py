@@ -108,11 +108,8 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
     gkey = graph_key(program, gdef, owned, identity)
     final = cache_dir / "graphs" / gkey
     with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
-        meta = store.lookup(cache_dir, gkey, identity)
+        meta = _find(cache_dir, gkey, identity, remote)
         cached = meta is not None
-        if meta is None and remote is not None:
-            meta = remote.fetch(gkey, cache_dir, identity)
-            cached = meta is not None
         if meta is None:
             with staging_dir(final) as tmp:
                 if _TEST_FAIL and _TEST_FAIL in gdef.name:
@@ -150,11 +147,8 @@ def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_
                           identity)
     final = cache_dir / "graphs" / gkey
     with file_lock(cache_dir / "locks" / f"graph-{gkey}.lock"):
-        meta = store.lookup(cache_dir, gkey, identity)
+        meta = _find(cache_dir, gkey, identity, remote)
         cached = meta is not None
-        if meta is None and remote is not None:
-            meta = remote.fetch(gkey, cache_dir, identity)
-            cached = meta is not None
         if meta is None:
             with staging_dir(final) as tmp:
                 compiled = backend.write(lowered, names, [n for n, _ in gdef.inputs], tmp)
@@ -172,6 +166,14 @@ def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_
                 meta = _seal(tmp, gdef, compiled, names, owned, identity, gkey, t0, sign,
                              checks=checks, hlo={"bytes": len(lowered.proto), "parameters": len(lowered.param_order)})
     return GraphArtifact(gkey, final, meta, cached, time.perf_counter() - t0)
+
+
+def _find(cache_dir: Path, gkey: str, identity: dict, remote) -> dict | None:
+    """Under the entry's lock: the local entry's meta, else the remote store's (fetched), else None."""
+    meta = store.lookup(cache_dir, gkey, identity)
+    if meta is None and remote is not None:
+        meta = remote.fetch(gkey, cache_dir, identity)
+    return meta
 
 
 def _owned(gdef: GraphDef, tensors: dict, weight_names: set[str]) -> dict:
