@@ -123,3 +123,16 @@ def bundle_tp2(bundle, workdir, cache_dir, tiny_ckpt) -> Path:
     qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2",
         "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,")
     return out
+
+
+@pytest.fixture(scope="session")
+def fake_libnrt(tmp_path_factory) -> Path:
+    """A FAKE libnrt (tests/fakes/fake_libnrt.c, built with gcc): records the calls qic's NEFF loader
+    makes; it is not the Neuron runtime and runs no NEFF."""
+    import shutil
+    if not shutil.which("gcc"):
+        pytest.fail("gcc is needed to build the fake libnrt")
+    out = tmp_path_factory.mktemp("fake-libnrt") / "libnrt_fake.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(out), str(ROOT / "tests" / "fakes" / "fake_libnrt.c")],
+                   check=True)
+    return out

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from tests.conftest import TINY_RES
-from tests.test_neuron_loader_fake import fake_libnrt, fnv1a64  # noqa: F401  (fixture)
+from tests.test_neuron_loader_fake import fnv1a64
 from tests.test_neuron_xla import xla
 
 FAKES = Path(__file__).resolve().parent / "fakes"

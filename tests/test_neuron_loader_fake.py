@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,15 +60,6 @@ if __name__ == "__main__":
         p.join()
     sys.exit(max(p.exitcode for p in procs))
 """
-
-
-@pytest.fixture(scope="module")
-def fake_libnrt(tmp_path_factory) -> Path:
-    if not shutil.which("gcc"):
-        pytest.skip("gcc is needed to build the fake libnrt")
-    out = tmp_path_factory.mktemp("fake-libnrt") / "libnrt_fake.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(out), str(FAKES / "fake_libnrt.c")], check=True)
-    return out
 
 
 def fake_neff(path: Path) -> Path:
