@@ -23,6 +23,11 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
     folder = Path(path).parent
     params = json.loads((folder / "params.json").read_text())["params"]
     if device == "xla-cpu":
+        if world > 1:
+            raise BundleError(f"{folder.parent.parent}: --device xla-cpu runs tp=1 neuron bundles only (one XLA:CPU "
+                              f"device per process; this one was built for tp={world})",
+                              "rebuild with --tp 1 to run it here; TP graphs are checked on XLA:CPU devices by "
+                              "`python -m qic.bench.xla_lowering tp N`")
         from qic.backends import xla_runtime
         return xla_runtime.load(folder / "model.hlo_module.pb", params, weights)
     if device != "neuron":
