@@ -177,3 +177,22 @@ def test_xla_cpu_check_bound_can_fail():
     print(r)
     assert r["right"] <= XLA_CPU_REL_L2
     assert r["mask_dropped"] > 100 * XLA_CPU_REL_L2 and r["block_zeroed"] > 100 * XLA_CPU_REL_L2
+
+
+def test_bf16_graphs_are_checked_against_fp32(workdir, tiny_ckpt):
+    """A bf16 build: XLA and eager round differently, so each is compared with fp32 and XLA's error may be
+    at most twice eager's own (qic.backends.neuron.NeuronBackend.check); the figures are recorded."""
+    config = workdir / "neuron-bf16.yaml"
+    config.write_text(json.dumps({"backend": "neuron", "model": str(tiny_ckpt),
+                                  "dtype": {"text_encoder": "bfloat16", "denoiser": "bfloat16"},
+                                  "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": [128],
+                                  "output": str(workdir / "bundle-neuron-bf16"),
+                                  "cache_dir": str(workdir / "cache-neuron-bf16")}))
+    xla_qic("build", config)
+    for g in _manifest(workdir / "bundle-neuron-bf16")["graphs"]:
+        c = g["checks"]
+        print(g["name"], c)
+        if g["component"] == "vae_decoder":   # always fp32
+            assert c["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2
+        else:
+            assert 0 < c["eager_rel_l2_vs_fp32"] and c["xla_cpu_rel_l2_vs_fp32"] <= 2 * c["eager_rel_l2_vs_fp32"] + 1e-5
