@@ -43,7 +43,8 @@ def run_inspect(bundle: str, full: bool = False) -> None:
         row = [g["name"], ins, f"{g['bytes'] / 1e6:.2f} MB", manifest["files"][g["file"]]["sha256"][:12]]
         if neuron:
             rel = g["checks"].get("xla_cpu_rel_l2")
-            row += [f"{g['hlo_bytes'] / 1e6:.2f} MB", f"{rel:.2g}" if rel is not None else "not run (tp > 1)",
+            row += [f"{g['hlo_bytes'] / 1e6:.2f} MB", f"{rel:.2g}" if rel is not None else
+                    g["checks"].get("xla_cpu_check", "not run"),
                     "yes" if g["neff"] else "no"]
         table.add_row(*row)
     out.print(table)

@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
-        "cache_from", "cache_public_keys", "cache_trusted")
+        "xla_check", "cache_from", "cache_public_keys", "cache_trusted")
 DEFAULT_KEYS = ("steps", "guidance")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -56,6 +56,10 @@ class BuildSpec:
     # neuron back end: extra neuronx-cc flags per component, and the logical NeuronCore size (trn2: 1 or 2)
     compiler_args: tuple[tuple[str, str], ...] = ()
     lnc: int = 1
+    # neuron back end: execute each lowered graph on XLA:CPU against eager PyTorch at build time. Costs a
+    # forward pass per graph on the build host (minutes at the real model's size): false skips it, and
+    # the manifest says the check was not run.
+    xla_check: bool = True
     # A remote compile store to pull hits from (hf://ORG/REPO or a directory); its entries are used only
     # if signed by one of cache_public_keys (hex or .pub files), or if cache_trusted.
     cache_from: str | None = None
@@ -137,6 +141,7 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         loras=_loras(raw.get("loras") or [], source),
         compiler_args=_compiler_args(raw.get("compiler_args", {}), source),
         lnc=_choice(raw.get("lnc", 1), (1, 2), "lnc", source),
+        xla_check=_choice(raw.get("xla_check", True), (True, False), "xla_check", source),
         cache_from=str(raw["cache_from"]) if raw.get("cache_from") else None,
         cache_public_keys=tuple(str(k) for k in _as_list(raw.get("cache_public_keys") or [])),
         cache_trusted=bool(raw.get("cache_trusted", False)),

@@ -45,7 +45,7 @@ class NeuronBackend(Backend):
     name = "neuron"
     traces_modules = True   # lowers the eager module itself (torch.export's scan op has no XLA lowering)
 
-    def __init__(self, device: str, compiler_args: dict | None = None, lnc: int = 1):
+    def __init__(self, device: str, compiler_args: dict | None = None, lnc: int = 1, xla_check: bool = True):
         if device != "neuron":
             raise ConfigError(f"the neuron back end targets device 'neuron', not {device!r}")
         if not xla_available():
@@ -56,6 +56,7 @@ class NeuronBackend(Backend):
         from qic.backends import neuron_cc
         self.compiler_args = dict(compiler_args or {})
         self.lnc = lnc
+        self.xla_check = xla_check
         self.compiler, self.compiler_missing = neuron_cc.find()
         self.compiler_version = neuron_cc.version(self.compiler) if self.compiler else None
         for component, args in self.compiler_args.items():   # refuse bad flags before any work

@@ -123,7 +123,8 @@ def tp_of(component: str, tp: int) -> int:
 def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     """on_plan(MemoryPlan), if given, is called once the spec is validated, before any work (qic.build.memplan)."""
     t0 = time.perf_counter()
-    options = {"compiler_args": dict(spec.compiler_args), "lnc": spec.lnc} if spec.backend == "neuron" else {}
+    options = ({"compiler_args": dict(spec.compiler_args), "lnc": spec.lnc, "xla_check": spec.xla_check}
+               if spec.backend == "neuron" else {})
     backend = get_backend(spec.backend, spec.device, **options)
     ctx = Context(spec, progress)
     validate(spec, ctx)
@@ -178,8 +179,9 @@ def neff_stage(backend, artifacts, cache: Path, report: BuildReport, progress) -
     from qic.backends import neuron_cc
     from qic.backends.neuron import HLO_FILE
     if backend.compiler is None:
+        checked = "lowered and checked on XLA:CPU" if backend.xla_check else "lowered, not checked (xla_check: false)"
         report.warnings.append(f"no NEFFs: {backend.compiler_missing}; the bundle is lower-only (every graph "
-                               "lowered and checked on XLA:CPU); the same build on a Trainium host compiles it")
+                               f"{checked}); the same build on a Trainium host compiles it")
         return artifacts
     jobs = []
     for art in artifacts:
