@@ -31,7 +31,8 @@ def test_realwidth_checkpoint_matches_components(meta_writer, depth):
     tr = meta_writer("transformer", configs["transformer"], 0)
     # Real widths, reduced depth, the real layout (lm_head and the vision tower are in the hub's files).
     assert te["model.embed_tokens.weight"].shape == (152064, 3584) == te["lm_head.weight"].shape
-    assert f"model.layers.{depth - 1}.mlp.down_proj.weight" in te and f"model.layers.{depth}.mlp.down_proj.weight" not in te
+    last, beyond = f"model.layers.{depth - 1}.mlp.down_proj.weight", f"model.layers.{depth}.mlp.down_proj.weight"
+    assert last in te and beyond not in te
     assert f"visual.blocks.{depth - 1}.attn.qkv.weight" in te and f"visual.blocks.{depth}.attn.qkv.weight" not in te
     assert tr["transformer_blocks.0.img_mod.1.weight"].shape == (6 * 3072, 3072)
     assert f"transformer_blocks.{depth}.img_mod.1.weight" not in tr

@@ -233,11 +233,13 @@ def table(res: dict) -> str:
         qs, ds = statistics.median(q["steps"]), statistics.median(d["steps"])
         gq, gu = run["graph_flops"], run["useful_flops"]
         rows += [
-            f"| cold: process start to PNG | {r} | {q['cold']:.1f} s | {d['cold']:.1f} s | {d['cold'] / q['cold']:.2f}x |",
+            f"| cold: process start to PNG | {r} | {q['cold']:.1f} s | {d['cold']:.1f} s | "
+            f"{d['cold'] / q['cold']:.2f}x |",
             f"| denoise step (median) | {r} | {qs:.2f} s | {ds:.2f} s | {ds / qs:.2f}x |",
             f"| step GFLOP: qic's graph / useful | {r} | {gq / 1e9:.0f} / {gu / 1e9:.0f} | {gu / 1e9:.0f} | |",
             f"| achieved / matmul rate (graph FLOPs) | {r} | {gq / qs / 1e9 / rate:.0%} | | |",
-            f"| achieved / matmul rate (useful FLOPs) | {r} | {gu / qs / 1e9 / rate:.0%} | {gu / ds / 1e9 / rate:.0%} | |",
+            f"| achieved / matmul rate (useful FLOPs) | {r} | {gu / qs / 1e9 / rate:.0%} | "
+            f"{gu / ds / 1e9 / rate:.0%} | |",
             f"| peak RSS | {r} | {q['peak_rss'] / GiB:.2f} GiB | {d['peak_rss'] / GiB:.2f} GiB | "
             f"{d['peak_rss'] / q['peak_rss']:.2f}x |",
             f"| pixel diff max / mean (of 255) | {r} | {run['max_diff']} / {run['mean_diff']:.3f} | | |"]
