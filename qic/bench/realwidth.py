@@ -13,7 +13,7 @@ In one run:
    (process + children) sampled every 0.25 s;
 3. per resolution: `qic run --verbose` and a diffusers QwenImagePipeline script on the same weights
    (fp32, true CFG 4, negative prompt " ", same seed), each a fresh process: wall time from process
-   start to the PNG (cold start), per-step times, peak RSS (wait4's ru_maxrss);
+   start to the PNG (cold start), load and per-step times, peak RSS (the process's VmHWM);
 4. a 2048^3 fp32 matmul rate, and the denoise step's FLOPs counted on fake tensors (shapes only):
    qic's graph as compiled (CFG batch 2, text padded to the bucket) and the useful work (cond and uncond
    at the prompts' own lengths, which is what diffusers computes);
@@ -73,32 +73,43 @@ def write_realwidth_checkpoint(out: Path, depth: int, config_dir: Path = CONFIGS
 # ------------------------------------------------------------------------------------------------ measures
 
 def run_measured(cmd: list[str], env: dict | None = None, sample: list | None = None) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes of that process alone, output). With `sample`, appends
-    (seconds, process RSS, process + descendants RSS) every 0.25 s while it runs."""
+    """(wall seconds, peak RSS bytes of that process, output). With `sample`, appends (seconds, process RSS,
+    process + descendants RSS) every 0.25 s while it runs.
+
+    The peak is the kernel's high-water mark of the process's own memory (VmHWM), read every 0.25 s while
+    it runs: wait4's ru_maxrss would not do, because a forked child starts from its parent's high-water
+    mark (this process's, which held the checkpoint while writing it)."""
     import psutil
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.append(p.stdout.read()))
     reader.start()
-    if sample is not None:
-        proc = psutil.Process(p.pid)
-        while reader.is_alive():
-            try:
+    proc, hwm = psutil.Process(p.pid), 0
+    while reader.is_alive():
+        try:
+            hwm = max(hwm, _hwm(p.pid))
+            if sample is not None:
                 own = proc.memory_info().rss
                 kids = sum(c.memory_info().rss for c in proc.children(recursive=True))
-            except psutil.Error:
-                break
-            sample.append((time.perf_counter() - t0, own, own + kids))
-            reader.join(0.25)
+                sample.append((time.perf_counter() - t0, own, own + kids))
+        except (psutil.Error, OSError):
+            break
+        reader.join(0.25)
     reader.join()
-    _, status, usage = os.wait4(p.pid, 0)
+    p.wait()
     wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
     out = "".join(chunks)
     if p.returncode:
         raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{out[-4000:]}")
-    return wall, usage.ru_maxrss * 1024, out
+    return wall, hwm, out
+
+
+def _hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def step_flops(configs: dict, h: int, w: int, bucket: int, cfg: bool = True) -> float:
@@ -156,10 +167,11 @@ def diffusers_side(ckpt: str, size: int, steps: int, png: str) -> None:
     print("DIFFUSERS " + json.dumps({"load": load, "steps": step_times}))
 
 
-def qic_step_times(output: str) -> list[float]:
+def qic_timings(output: str) -> tuple[float, list[float]]:
+    """(load seconds, step seconds) from `qic run --verbose`'s timing line."""
     line = next(x for x in output.splitlines() if x.startswith("timing: "))
     parts = dict(p.split(" ") for p in line[len("timing: "):].split(", "))
-    return [float(v.rstrip("s")) for k, v in parts.items() if k.startswith("step")]
+    return float(parts["load"].rstrip("s")), [float(v.rstrip("s")) for k, v in parts.items() if k.startswith("step")]
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -189,7 +201,8 @@ def bench(args) -> dict:
         build += ["--resolution", f"{r}x{r}"]
     samples: list = []
     wall, peak, out = run_measured(build, env=env, sample=samples)
-    res["build"] = {"seconds": wall, "peak_rss": peak, "samples": samples, "log": out[-6000:]}
+    res["build"] = {"seconds": wall, "peak_rss": peak, "peak_total": max(x[2] for x in samples), "samples": samples,
+                    "log": out[-6000:]}
     print(out[-3000:], flush=True)
     print(f"build: {wall:.0f} s, peak RSS {peak / GiB:.2f} GiB", flush=True)
 
@@ -205,10 +218,10 @@ def bench(args) -> dict:
         d_json = json.loads(next(x for x in d_out.splitlines() if x.startswith("DIFFUSERS "))[len("DIFFUSERS "):])
         mx, mean = pixel_diff(png_q, png_d)
         res["runs"][str(r)] = {
-            "qic": {"cold": q_wall, "peak_rss": q_peak, "steps": qic_step_times(q_out), "log": q_out[-1000:]},
+            "qic": dict(zip(("load", "steps"), qic_timings(q_out)), cold=q_wall, peak_rss=q_peak, log=q_out[-1000:]),
             "diffusers": {"cold": d_wall, "peak_rss": d_peak, "steps": d_json["steps"], "load": d_json["load"]},
             "max_diff": mx, "mean_diff": mean}
-        print(f"{r}x{r}: qic cold {q_wall:.1f} s, diffusers cold {d_wall:.1f} s, max/mean diff {mx}/{mean:.3f}",
+        print(f"{r}x{r}: qic cold {q_wall:.1f} s, diffusers cold {d_wall:.1f} s, max/mean diff {mx}/{mean:.4f}",
               flush=True)
 
     lengths = templated_lengths(ckpt, [PROMPT, " "])
@@ -226,8 +239,9 @@ def table(res: dict) -> str:
     rate = res["matmul_gflops"]
     rows = [f"real width, depth {res['depth']}, {res['steps']} steps, fp32; matmul 2048^3: {rate:.1f} GFLOP/s",
             "", "| measure | size | qic | diffusers | diffusers / qic |", "|---|---|--:|--:|--:|",
-            f"| build (cold compile cache) | all | {res['build']['seconds']:.0f} s, peak RSS "
-            f"{res['build']['peak_rss'] / GiB:.2f} GiB | | |"]
+            f"| build (cold compile cache) | all | {res['build']['seconds']:.0f} s | | |",
+            f"| build: peak RSS, process / with compile workers (sampled) | all | {res['build']['peak_rss'] / GiB:.2f}"
+            f" / {res['build']['peak_total'] / GiB:.2f} GiB | | |"]
     for r, run in res["runs"].items():
         q, d = run["qic"], run["diffusers"]
         qs, ds = statistics.median(q["steps"]), statistics.median(d["steps"])
@@ -235,6 +249,7 @@ def table(res: dict) -> str:
         rows += [
             f"| cold: process start to PNG | {r} | {q['cold']:.1f} s | {d['cold']:.1f} s | "
             f"{d['cold'] / q['cold']:.2f}x |",
+            f"| load (qic: map + verify; diffusers: from_pretrained) | {r} | {q['load']:.2f} s | {d['load']:.2f} s | |",
             f"| denoise step (median) | {r} | {qs:.2f} s | {ds:.2f} s | {ds / qs:.2f}x |",
             f"| step GFLOP: qic's graph / useful | {r} | {gq / 1e9:.0f} / {gu / 1e9:.0f} | {gu / 1e9:.0f} | |",
             f"| achieved / matmul rate (graph FLOPs) | {r} | {gq / qs / 1e9 / rate:.0%} | | |",
@@ -242,7 +257,7 @@ def table(res: dict) -> str:
             f"{gu / ds / 1e9 / rate:.0%} | |",
             f"| peak RSS | {r} | {q['peak_rss'] / GiB:.2f} GiB | {d['peak_rss'] / GiB:.2f} GiB | "
             f"{d['peak_rss'] / q['peak_rss']:.2f}x |",
-            f"| pixel diff max / mean (of 255) | {r} | {run['max_diff']} / {run['mean_diff']:.3f} | | |"]
+            f"| pixel diff max / mean (of 255) | {r} | {run['max_diff']} / {run['mean_diff']:.4f} | | |"]
     return "\n".join(rows)
 
 
@@ -257,17 +272,18 @@ def plots(res: dict, img: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     sizes = [int(r) for r in res["runs"]]
-    for side, mark in (("qic", "o-"), ("diffusers", "s--")):
+    width = 0.38
+    for k, side in enumerate(("qic", "diffusers")):
         ys = [statistics.median(res["runs"][str(s)][side]["steps"]) for s in sizes]
-        ax.plot(sizes, ys, mark, label=side)
-        for s, y in zip(sizes, ys):
-            ax.annotate(f"{y:.2f} s", (s, y), textcoords="offset points", xytext=(6, -4 if side == "qic" else 6))
-    ax.set_xticks(sizes, [f"{s}x{s}" for s in sizes])
-    ax.set_xlabel("resolution")
-    ax.set_ylabel("seconds per denoise step (CFG)")
+        bars = ax.bar([i + (k - 0.5) * width for i in range(len(sizes))], ys, width, label=side)
+        ax.bar_label(bars, [f"{y:.2f} s" for y in ys], padding=2)
+    ax.set_xticks(range(len(sizes)), [f"{s}x{s}" for s in sizes])
+    ax.set_xlabel("resolution (CFG batch 2, one text bucket of 128)")
+    ax.set_ylabel("seconds per denoise step (median)")
     ax.set_title(f"Step time, real width, depth {res['depth']}, fp32, 2-core CPU")
+    ax.margins(y=0.12)
     ax.legend()
-    ax.grid(alpha=0.3)
+    ax.grid(axis="y", alpha=0.3)
     out.append(_save(fig, img / "realwidth-step-time.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
@@ -278,7 +294,7 @@ def plots(res: dict, img: Path) -> list[Path]:
             label="unrolled, extrapolated")
     ax.set_xlabel("transformer blocks")
     ax.set_ylabel("inductor compile seconds")
-    ax.set_title("Denoise step compile time vs depth (qic.bench.depth)")
+    ax.set_title("Step graph compile time vs depth (4 heads x 128, 256x256)")
     ax.legend()
     ax.grid(alpha=0.3)
     out.append(_save(fig, img / "compile-vs-depth.png"))
