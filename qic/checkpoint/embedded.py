@@ -12,6 +12,9 @@
     vae/            config.json, diffusion_pytorch_model.safetensors
     .qic-embedded.json   (marker: preset, seed, generator version, file sizes; written last)
 
+`write_checkpoint_from_configs(out_dir, configs, label)` writes the same for other component configs (the
+real-width benchmark's: the real Qwen-Image configs at reduced depth, qic.bench.realwidth).
+
 Only qic code, torch, safetensors and tokenizers are used (diffusers/transformers are test-only).
 
 Tokenizer: byte-level BPE trained by `train_bpe` (below, pure Python, deterministic) on the fixed built-in
