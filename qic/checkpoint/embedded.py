@@ -12,6 +12,9 @@
     vae/            config.json, diffusion_pytorch_model.safetensors
     .qic-embedded.json   (marker: preset, seed, generator version, file sizes; written last)
 
+`write_checkpoint_from_configs(out_dir, configs, label)` writes the same for other component configs (the
+real-width benchmark's: the real Qwen-Image configs at reduced depth, qic.bench.realwidth).
+
 Only qic code, torch, safetensors and tokenizers are used (diffusers/transformers are test-only).
 
 Tokenizer: byte-level BPE trained by `train_bpe` (below, pure Python, deterministic) on the fixed built-in
@@ -353,8 +356,14 @@ def _marker(preset_name: str, seed: int, tokenizer_json: bool) -> dict:
             "preset": preset_name, "seed": int(seed), "tokenizer_json": bool(tokenizer_json)}
 
 
-def _generate(root: Path, preset_name: str, seed: int, tokenizer_json: bool) -> None:
-    p = _presets.preset(preset_name)
+# Safetensors files per sharded component (the embedded presets: 2 each, so the index files are exercised).
+DEFAULT_SHARDS = {"text_encoder": 2, "transformer": 2}
+
+
+def _generate(root: Path, p: Mapping, marker: dict, seed: int, tokenizer_json: bool,
+              shards: Mapping[str, int] = DEFAULT_SHARDS) -> None:
+    """Write the checkpoint of the component configs `p` (text_encoder, transformer, vae, scheduler) into
+    root. Components are drawn and written one after another, so at most one is in memory."""
     (root / "model_index.json").write_bytes(_json_bytes(MODEL_INDEX))
 
     d = root / "scheduler"
@@ -369,12 +378,13 @@ def _generate(root: Path, preset_name: str, seed: int, tokenizer_json: bool) -> 
     d = root / "text_encoder"
     d.mkdir()
     (d / "config.json").write_bytes(_json_bytes(p["text_encoder"]))
-    _write_sharded(d, component_state_dict("text_encoder", p["text_encoder"], seed), "model", 2)
+    _write_sharded(d, component_state_dict("text_encoder", p["text_encoder"], seed), "model", shards["text_encoder"])
 
     d = root / "transformer"
     d.mkdir()
     (d / "config.json").write_bytes(_json_bytes(p["transformer"]))
-    _write_sharded(d, component_state_dict("transformer", p["transformer"], seed), "diffusion_pytorch_model", 2)
+    _write_sharded(d, component_state_dict("transformer", p["transformer"], seed), "diffusion_pytorch_model",
+                   shards["transformer"])
 
     d = root / "vae"
     d.mkdir()
@@ -383,7 +393,7 @@ def _generate(root: Path, preset_name: str, seed: int, tokenizer_json: bool) -> 
               metadata=dict(SAFETENSORS_METADATA))
 
     files = sorted(f for f in root.rglob("*") if f.is_file())
-    marker = _marker(preset_name, seed, tokenizer_json)
+    marker = dict(marker)
     marker["files"] = {f.relative_to(root).as_posix(): f.stat().st_size for f in files}
     (root / MARKER_NAME).write_bytes(_json_bytes(marker))
 
@@ -397,11 +407,14 @@ def read_marker(out_dir: str | Path) -> dict | None:
 
 def is_complete(out_dir: str | Path, preset_name: str = "tiny", seed: int = 0, tokenizer_json: bool = True) -> bool:
     """True when out_dir holds this generator's checkpoint for these arguments, every file present and sized."""
-    root = Path(out_dir)
+    return _matches(Path(out_dir), _marker(preset_name, seed, tokenizer_json))
+
+
+def _matches(root: Path, expected: dict) -> bool:
     m = read_marker(root)
     if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
         return False
-    if {k: m.get(k) for k in _marker(preset_name, seed, tokenizer_json)} != _marker(preset_name, seed, tokenizer_json):
+    if {k: m.get(k) for k in expected} != expected:
         return False
     for rel, size in m["files"].items():
         f = root / rel
@@ -425,8 +438,24 @@ def write_checkpoint(out_dir: str | Path, preset_name: str = "tiny", seed: int =
     if preset_name not in _presets.PRESETS:
         raise CheckpointError(f"unknown embedded checkpoint preset {preset_name!r}",
                               f"known: {', '.join(sorted(_presets.PRESETS))}")
-    out = Path(out_dir).absolute()
-    if is_complete(out, preset_name, seed, tokenizer_json):
+    return _write(Path(out_dir), _presets.preset(preset_name), _marker(preset_name, seed, tokenizer_json),
+                  seed, tokenizer_json, DEFAULT_SHARDS)
+
+
+def write_checkpoint_from_configs(out_dir: str | Path, configs: Mapping, label: str, seed: int = 0, *,
+                                  shards: Mapping[str, int] = DEFAULT_SHARDS) -> Path:
+    """Like write_checkpoint, for given component configs (keys text_encoder, transformer, vae, scheduler;
+    e.g. the real Qwen-Image's at reduced depth): the same recipe, tokenizer and layout. Reused when the
+    directory holds this generator's checkpoint of the same configs (by digest), label and seed."""
+    digest = hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()
+    marker = _marker(label, seed, True) | {"configs_sha256": digest}
+    return _write(Path(out_dir), configs, marker, seed, True, shards)
+
+
+def _write(out_dir: Path, configs: Mapping, marker: dict, seed: int, tokenizer_json: bool,
+           shards: Mapping[str, int]) -> Path:
+    out = out_dir.absolute()
+    if _matches(out, marker):
         return out
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
@@ -436,25 +465,25 @@ def write_checkpoint(out_dir: str | Path, preset_name: str = "tiny", seed: int =
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _generate(tmp, preset_name, seed, tokenizer_json)
+        _generate(tmp, configs, marker, seed, tokenizer_json, shards)
         for f in tmp.rglob("*"):  # mkdtemp makes 0700, safetensors may write 0600: make it readable
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
         os.chmod(tmp, 0o755)
-        _install(tmp, out, preset_name, seed, tokenizer_json)
+        _install(tmp, out, marker)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _install(tmp: Path, out: Path, preset_name: str, seed: int, tokenizer_json: bool) -> None:
+def _install(tmp: Path, out: Path, marker: dict) -> None:
     """Rename tmp to out; a stale or different embedded checkpoint (or empty dir) at out is replaced."""
     for _ in range(3):
         try:
             os.rename(tmp, out)  # atomic; fails if out is a non-empty directory
             return
         except OSError:
-            if is_complete(out, preset_name, seed, tokenizer_json):
+            if _matches(out, marker):
                 return  # another process won the race with the same content
             if not out.exists():
                 continue
