@@ -42,8 +42,10 @@ MATRIX ?= configs/warm/tiny.yaml
 warm: install
 	$(BIN)/qic warm $(MATRIX) $(if $(SHARD),--shard $(SHARD)) $(if $(CACHE),--cache-dir $(CACHE))
 
+# The real-width benchmark (qic vs diffusers on a reduced-depth random checkpoint of the real widths, with
+# plots in docs/img/); the others are listed in docs/benchmarks.md, each with its command.
 bench: install
-	$(BIN)/python -m qic.bench.all
+	$(BIN)/python -m qic.bench.realwidth
 
 clean:
 	rm -rf artifacts .qic-cache  # the environments stay: rm -rf .venv .venv-xla
