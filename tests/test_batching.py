@@ -17,11 +17,14 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from qic.errors import ConfigError
 from qic.spec import parse_spec
 from tests.conftest import TINY_RES, image_diff, pixels, qic
+from tests.helpers import rel_l2
+from tests.test_mmdit import TOL, _inputs, models  # noqa: F401 (models: the eager tiny MMDiT fixture)
 from tests.test_serve import ServeProcess
 
 LEVEL = 1.0            # one 8-bit level: the bound (module docstring)
@@ -41,6 +44,40 @@ def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
     assert [g for g in both if "batch" not in g[1]] == plain        # batch-1 shapes (spec keys) unchanged
     assert sorted(_graph_name(c, shape) for c, shape in both if "batch" in shape) == [
         "denoiser@48x80@L128@B2", "text_encoder@L128@B2", "vae_decoder@48x80@B2"]
+
+
+def test_denoise_step_batch_of_two_is_two_single_steps_and_pairs_rows(models):
+    """Eager DenoiseStep: text rows [cond 0, cond 1, uncond 0, uncond 1], guidance [2]. A batch regroups
+    fp32 sums (rows per matmul), so the bound is test_mmdit's summation-order TOL on the update."""
+    from qic.models.mmdit import rope_tables
+    from qic.models.step import DenoiseStep
+    _, ours, config, grid = models
+    latents, _ = _inputs(config, grid, 2, 5, seed=5)
+    _, text = _inputs(config, grid, 4, 5, seed=6)
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[1, 4:], mask[2, 3:] = 0, 0           # padding differs per row
+    cos, sin = rope_tables(config, *grid, 5)
+    scalars = (torch.tensor(600.0), torch.tensor(0.6), torch.tensor(0.45))
+    guidance = torch.tensor([2.5, 6.0])
+    step, plain = DenoiseStep(ours), DenoiseStep(ours, cfg=False)
+
+    def update(out, i):
+        return out[i:i + 1] - latents[i:i + 1]
+
+    with torch.no_grad():
+        got = step(latents, text, mask, *scalars, guidance, cos, sin)
+        got_plain = plain(latents, text[:2], mask[:2], *scalars, None, cos, sin)
+        for i in (0, 1):
+            rows = [i, 2 + i]
+            alone = step(latents[i:i + 1], text[rows], mask[rows], *scalars, guidance[i], cos, sin)
+            assert rel_l2(update(got, i), alone - latents[i:i + 1]) <= TOL
+            alone = plain(latents[i:i + 1], text[i:i + 1], mask[i:i + 1], *scalars, None, cos, sin)
+            assert rel_l2(update(got_plain, i), alone - latents[i:i + 1]) <= TOL
+        # Wrong pairings break it: uncond rows swapped between the images, or their guidance scales.
+        swapped = step(latents, text[[0, 1, 3, 2]], mask[[0, 1, 3, 2]], *scalars, guidance, cos, sin)
+        assert rel_l2(update(swapped, 0), update(got, 0)) > 100 * TOL
+        flipped = step(latents, text, mask, *scalars, guidance.flip(0), cos, sin)
+        assert rel_l2(update(flipped, 0), update(got, 0)) > 100 * TOL
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +132,9 @@ def test_server_batches_two_concurrent_requests_like_qic_run(bundle_batch2, tmp_
 
         # A longer request of other steps holds the runner, so the two compatible ones are both queued
         # when it frees (the queue groups only what is waiting; this makes them wait).
-        blocker = threading.Thread(target=post, args=("blocker", {"prompt": "x", "seed": 9, "steps": 12}))
+        blocker = threading.Thread(target=post, args=("blocker", {"prompt": "x", "seed": 9, "steps": 40}))
         blocker.start()
-        time.sleep(0.3)
+        time.sleep(0.1)
         pair = [threading.Thread(target=post, args=(i, b)) for i, b in enumerate(bodies)]
         for t in pair:
             t.start()
