@@ -45,6 +45,8 @@ _BUILD_OPTIONS = [
                       "list."),
     click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length."),
     click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
+    click.option("--batch-sizes", help="Images per graph call to build graphs for, e.g. 1,2 (qic serve batches "
+                                       "compatible requests in these sizes); default 1."),
     click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder."),
     click.option("--layers", type=click.Choice(["unrolled", "looped"]),
                  help="Transformer blocks unrolled in the graph, or one block looped over stacked weights."),

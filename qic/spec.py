@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
-        "xla_check", "cache_from", "cache_public_keys", "cache_trusted")
+        "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes")
 DEFAULT_KEYS = ("steps", "guidance")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -52,6 +52,9 @@ class BuildSpec:
     defaults: tuple[tuple[str, object], ...] = ()  # qic run's steps / guidance when not given
     # Denoise step graphs: True = cond + uncond batched (true CFG), False = batch 1, one transformer call.
     cfg: tuple[bool, ...] = (True,)
+    # Images per graph call: 1 always, and for each n > 1 batched graphs (@B<n>) that `qic serve` runs
+    # compatible requests through together.
+    batch_sizes: tuple[int, ...] = (1,)
     loras: tuple[tuple[str, float], ...] = ()     # (file, scale): merged into the denoiser's weights in stage 1
     # neuron back end: extra neuronx-cc flags per component, and the logical NeuronCore size (trn2: 1 or 2)
     compiler_args: tuple[tuple[str, str], ...] = ()
@@ -129,7 +132,7 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         tp=tp,
         dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", source),
         resolutions=tuple(parse_resolution(r, source) for r in _as_list(raw.get("resolutions", ["48x80"]))),
-        text_buckets=_buckets(raw, source),
+        text_buckets=(buckets := _buckets(raw, source)),
         components=tuple(c for c in COMPONENTS if c in components),
         output=str(raw.get("output", d.output)),
         cache_dir=str(raw.get("cache_dir", d.cache_dir)),
@@ -145,7 +148,23 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         cache_from=str(raw["cache_from"]) if raw.get("cache_from") else None,
         cache_public_keys=tuple(str(k) for k in _as_list(raw.get("cache_public_keys") or [])),
         cache_trusted=bool(raw.get("cache_trusted", False)),
+        batch_sizes=_batch_sizes(raw.get("batch_sizes", [1]), buckets, source),
     )
+
+
+def _batch_sizes(value, buckets: tuple[int, ...], source: str) -> tuple[int, ...]:
+    """A list of positive ints (or '1,2' / one int); 1 is always built (`qic run` and unmatched requests)."""
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else (
+        value if isinstance(value, (list, tuple)) else [value])
+    if not items or not all(isinstance(v, (int, str)) and not isinstance(v, bool) and str(v).isdigit()
+                            and int(v) >= 1 for v in items):
+        raise ConfigError(f"{source}: batch_sizes must be a list of positive integers (e.g. [1, 2]), got {value!r}")
+    sizes = {int(v) for v in items}
+    if max(sizes) > 1 and 0 in buckets:
+        raise ConfigError(f"{source}: batch_sizes {sorted(sizes)} needs fixed text_buckets: with exact length (0) "
+                          "each prompt has its own length, so prompts cannot share a batch",
+                          "use text_buckets (e.g. 128) or batch_sizes [1]")
+    return tuple(sorted(sizes | {1}))
 
 
 def _loras(value, source: str) -> tuple[tuple[str, float], ...]:

@@ -126,6 +126,16 @@ def bundle_tp2(bundle, workdir, cache_dir, tiny_ckpt) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bundle_batch2(workdir, cache_dir, tiny_ckpt) -> Path:
+    """One resolution, bucket 128, batch sizes 1 and 2: the batch-1 graphs are the session bundle's
+    (cache hits), so only the three @B2 graphs compile."""
+    out = workdir / "bundle-batch2"
+    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
+        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--batch-sizes", "1,2")
+    return out
+
+
+@pytest.fixture(scope="session")
 def fake_libnrt(tmp_path_factory) -> Path:
     """A FAKE libnrt (tests/fakes/fake_libnrt.c, built with gcc): records the calls qic's NEFF loader
     makes; it is not the Neuron runtime and runs no NEFF."""

@@ -1,9 +1,9 @@
 """Issue 9: `qic serve`, the OpenAI images API over a bundle.
 
 Tests named *fake_runner* drive the HTTP app and the queue with FakeRunner, a stand-in for the bundle
-that records what it was asked to run (it makes no images): they cover batching, which needs graphs
-for batch sizes above 1 that no bundle has yet, and timing-dependent paths (disconnect, timeout).
-The other tests serve the session bundle through the `qic serve` command.
+that records what it was asked to run (it makes no images): they cover the queue's grouping and
+timing-dependent paths (disconnect, timeout). The other tests serve the session bundle through the
+`qic serve` command; a real bundle with batched graphs is served in tests/test_batching.py.
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
             "resolutions": [list(r) for r in spec.resolutions],
             "text_buckets": list(spec.text_buckets),
             "cfg": list(spec.cfg) if "denoiser" in spec.components else [],  # step graphs: True CFG, False no-CFG
+            "batch_sizes": list(spec.batch_sizes),           # images per graph call the graphs exist for
             "prompt": {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
             "tokenizer": "tokenizer",
             "scheduler": ctx.scheduler,                       # the checkpoint's, overrides applied

@@ -4,6 +4,10 @@
 - denoiser@HxW@L:        one whole denoise step, cond+uncond batched -> next latents [1, S, C]
 - vae_decoder@HxW:       packed latents [1, S, C]                    -> image [1, 3, H, W] in [-1, 1]
 
+Batched graphs (build config `batch_sizes`) carry `@B<n>` and take n images where the above take 1:
+ids/mask [n, L]; latents [n, S, C] with text [2n, L, D] (n prompts, then their n negative prompts) and
+guidance [n]; image [n, 3, H, W]. Batch 1 keeps the names, shapes and spec keys it always had.
+
 L is a text bucket: a text-encoder length, template included; the denoiser sees L - DROP_TOKENS.
 With exact-length builds (bucket 0) L is a dynamic dimension instead of a fixed size.
 Input and output names recorded here are the runtime's contract with each graph.
@@ -61,26 +65,31 @@ class StepGraph(nn.Module):
         return self.step(latents, text_embeds, text_mask, timestep, sigma, sigma_next, guidance, cos, sin)
 
 
-def text_encoder_graph(module, bucket: int) -> GraphDef:
+def _batch_shape(batch: int) -> dict:
+    return {"batch": batch} if batch != 1 else {}   # batch 1: the shape (and spec key) it always had
+
+
+def text_encoder_graph(module, bucket: int, batch: int = 1) -> GraphDef:
     length = bucket or DROP_TOKENS + 8
-    ids = torch.zeros(1, length, dtype=torch.long)
-    mask = torch.ones(1, length, dtype=torch.long)
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    mask = torch.ones(batch, length, dtype=torch.long)
     dynamic = None
     if not bucket:
         text = torch.export.Dim("text", min=DROP_TOKENS + 1, max=DROP_TOKENS + MAX_PROMPT_TOKENS)
         dynamic = {"input_ids": {1: text}, "attention_mask": {1: text}}
-    return GraphDef(f"text_encoder@L{bucket or 'exact'}", "text_encoder", module,
+    return GraphDef(graph_name("text_encoder", bucket=bucket, batch=batch), "text_encoder", module,
                     [("input_ids", ids), ("attention_mask", mask)], ["hidden_states"], dynamic=dynamic,
-                    shape={"bucket": bucket})
+                    shape={"bucket": bucket} | _batch_shape(batch))
 
 
 def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
-                   cfg: bool = True) -> GraphDef:
-    """cfg=False: the no-CFG step, text of batch 1 and no guidance input (one transformer call a step)."""
+                   cfg: bool = True, batch: int = 1) -> GraphDef:
+    """cfg=False: the no-CFG step, text of batch `batch` and no guidance input (one transformer call a step).
+    batch > 1: `batch` images a step, guidance [batch] (one scale per image)."""
     rows, cols = packed_grid(height, width, vae_scale)
     text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
     module = StepGraph(DenoiseStep(mmdit, cfg=cfg), config, rows, cols, text_len)
-    batch = 2 if cfg else 1
+    rows_of_text = 2 * batch if cfg else batch
     example_len = text_len if bucket else 8
     dt = TORCH_DTYPES[dtype]
 
@@ -88,25 +97,25 @@ def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucke
         return torch.tensor(value, dtype=torch.float32)
 
     inputs = [
-        ("latents", torch.zeros(1, rows * cols, config.in_channels, dtype=dt)),
-        ("text_embeds", torch.zeros(batch, example_len, config.joint_attention_dim, dtype=dt)),
-        ("text_mask", torch.ones(batch, example_len, dtype=torch.long)),
+        ("latents", torch.zeros(batch, rows * cols, config.in_channels, dtype=dt)),
+        ("text_embeds", torch.zeros(rows_of_text, example_len, config.joint_attention_dim, dtype=dt)),
+        ("text_mask", torch.ones(rows_of_text, example_len, dtype=torch.long)),
         ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)),
-    ] + ([("guidance", scalar(4.0))] if cfg else [])
+    ] + ([("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else [])
     dynamic = None
     if not bucket:
         text = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
         dynamic = {name: None for name, _ in inputs} | {"text_embeds": {1: text}, "text_mask": {1: text}}
-    shape = {"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False})
-    return GraphDef(graph_name("denoiser", (height, width), bucket, cfg), "denoiser", module, inputs,
+    shape = {"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False}) | _batch_shape(batch)
+    return GraphDef(graph_name("denoiser", (height, width), bucket, cfg, batch), "denoiser", module, inputs,
                     ["latents"], dynamic=dynamic, shape=shape, weight_prefix="step.mmdit.")
 
 
-def vae_decoder_graph(weights_module, height: int, width: int) -> GraphDef:
+def vae_decoder_graph(weights_module, height: int, width: int, batch: int = 1) -> GraphDef:
     # The decoder unpacks a static latent grid: one module per resolution, sharing the bound weights.
     module = QwenVAEDecoder(weights_module.config, height, width)
     module.load_state_dict(weights_module.state_dict(), strict=True, assign=True)
     rows, cols = packed_grid(height, width, module.config.scale_factor)
-    latents = torch.zeros(1, rows * cols, 4 * module.config.z_dim, dtype=torch.float32)
-    return GraphDef(f"vae_decoder@{height}x{width}", "vae_decoder", module, [("latents", latents)], ["image"],
-                    shape={"resolution": [height, width]})
+    latents = torch.zeros(batch, rows * cols, 4 * module.config.z_dim, dtype=torch.float32)
+    return GraphDef(graph_name("vae_decoder", (height, width), batch=batch), "vae_decoder", module,
+                    [("latents", latents)], ["image"], shape={"resolution": [height, width]} | _batch_shape(batch))

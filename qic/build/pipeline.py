@@ -245,25 +245,28 @@ def compile_job(job: GraphJob, ctx: Context, backend, weights_path: Path | None 
 
 def graph_shapes(spec: BuildSpec) -> list[tuple[str, dict]]:
     """(component, shape) for every graph the spec asks for, in build order."""
-    out = [("text_encoder", {"bucket": b}) for b in spec.text_buckets if "text_encoder" in spec.components]
+    # Batch 1 and the CFG graph have no "batch" / "cfg" entry: their names and spec keys predate them.
+    batches = [{} if n == 1 else {"batch": n} for n in spec.batch_sizes]
+    out = [("text_encoder", {"bucket": b} | n)
+           for n in batches for b in spec.text_buckets if "text_encoder" in spec.components]
     if "denoiser" in spec.components:
-        # The CFG graph's shape has no "cfg" entry: its name and spec key predate the no-CFG graph.
-        out += [("denoiser", {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}))
-                for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
+        out += [("denoiser", {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | n)
+                for n in batches for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
     if "vae_decoder" in spec.components:
-        out += [("vae_decoder", {"resolution": [h, w]}) for h, w in spec.resolutions]
+        out += [("vae_decoder", {"resolution": [h, w]} | n) for n in batches for h, w in spec.resolutions]
     return out
 
 
 def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
     """The GraphDef of one graph around a component module (weights bound, or fake for estimates)."""
+    batch = shape.get("batch", 1)
     if component == "text_encoder":
-        return text_encoder_graph(module, shape["bucket"])
+        return text_encoder_graph(module, shape["bucket"], batch)
     if component == "denoiser":
         h, w = shape["resolution"]
         return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
-                              shape["bucket"], dtype, cfg=shape.get("cfg", True))
-    return vae_decoder_graph(module, *shape["resolution"])
+                              shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch)
+    return vae_decoder_graph(module, *shape["resolution"], batch)
 
 
 def plan_graphs(spec: BuildSpec, ctx: Context):
@@ -273,7 +276,8 @@ def plan_graphs(spec: BuildSpec, ctx: Context):
 
 
 def _graph_name(component: str, shape: dict) -> str:
-    return graph_name(component, shape.get("resolution"), shape.get("bucket"), shape.get("cfg", True))
+    return graph_name(component, shape.get("resolution"), shape.get("bucket"), shape.get("cfg", True),
+                      shape.get("batch", 1))
 
 
 def _shard_shapes(ctx: Context, component: str) -> dict[str, tuple[int, ...]]:

@@ -19,9 +19,10 @@ from qic.models.mmdit import QwenMMDiT
 
 
 class DenoiseStep(nn.Module):
-    """cfg=True: text_embeds [2, L, D], row 0 the prompt, row 1 the negative prompt, both padded to L.
-    cfg=False: text_embeds [1, L, D] and guidance is ignored (diffusers skips CFG when the scale is <= 1 or
-    there is no negative prompt). text_mask [B, L] (nonzero = valid), or None when every token is valid.
+    """B images a step (B = latents' batch). cfg=True: text_embeds [2B, L, D], rows 0..B-1 the prompts and
+    rows B..2B-1 their negative prompts, in the same image order, all padded to L. cfg=False: text_embeds
+    [B, L, D] and guidance is ignored (diffusers skips CFG when the scale is <= 1 or there is no negative
+    prompt). text_mask [rows, L] (nonzero = valid), or None when every token is valid.
     """
 
     def __init__(self, mmdit: QwenMMDiT, cfg: bool = True):
@@ -32,18 +33,24 @@ class DenoiseStep(nn.Module):
     def forward(self, latents: torch.Tensor, text_embeds: torch.Tensor, text_mask: torch.Tensor | None,
                 timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                 guidance: torch.Tensor | None, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        """latents [1, S_img, C] packed; timestep, sigma, sigma_next, guidance: 0-dim fp32 tensors
-        (timestep = the scheduler's t, i.e. sigma * 1000); rope tables from rope_tables(config, h, w, L).
-        Returns the next latents [1, S_img, C] in latents' dtype."""
-        batch = 2 if self.cfg else 1
-        if latents.shape[0] != 1 or text_embeds.shape[0] != batch:
-            raise ValueError(f"DenoiseStep(cfg={self.cfg}) takes latents of batch 1 and text of batch {batch}, "
-                             f"got {latents.shape[0]} and {text_embeds.shape[0]}")
-        t = (timestep.to(latents.dtype) / 1000).reshape(1).expand(batch)
-        pred = self.mmdit(latents.expand(batch, -1, -1), text_embeds, text_mask, t, rope_cos, rope_sin)
+        """latents [B, S_img, C] packed; timestep, sigma, sigma_next: 0-dim fp32 tensors (timestep = the
+        scheduler's t, i.e. sigma * 1000); guidance: 0-dim (every image) or [B] (one per image) fp32;
+        rope tables from rope_tables(config, h, w, L). Returns the next latents [B, S_img, C] in latents' dtype."""
+        images = latents.shape[0]
+        rows = 2 * images if self.cfg else images
+        if text_embeds.shape[0] != rows:
+            raise ValueError(f"DenoiseStep(cfg={self.cfg}) takes text of batch {rows} for latents of batch "
+                             f"{images}, got {text_embeds.shape[0]}")
+        t = (timestep.to(latents.dtype) / 1000).reshape(1).expand(rows)
+        # [cond rows | uncond rows]: each image's latents twice, matching the text rows' order.
+        model_in = latents.repeat(2, 1, 1) if self.cfg else latents
+        pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin)
         if self.cfg:
-            cond, neg = pred[0:1], pred[1:2]
+            cond, neg = pred[:images], pred[images:]
+            if guidance.dim() > 0:   # one scale per image, broadcast over its tokens and channels
+                guidance = guidance.reshape(images, 1, 1)
             comb = neg + guidance * (cond - neg)
+            # Norms per token of each image: the rescale never mixes images.
             v = comb * (torch.linalg.vector_norm(cond, dim=-1, keepdim=True)
                         / torch.linalg.vector_norm(comb, dim=-1, keepdim=True))
         else:

@@ -97,15 +97,15 @@ class Bundle:
     def id(self) -> str:
         return self.manifest["id"]
 
-    def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True) -> Graph:
-        name = graph_name(component, resolution, bucket, cfg)
+    def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1) -> Graph:
+        name = graph_name(component, resolution, bucket, cfg, batch)
         try:
             return self.graphs[_key(component, name)]
         except KeyError:
             raise BundleError(f"{self.path}: no graph {name} in this bundle") from None
 
-    def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True) -> bool:
-        return _key(component, graph_name(component, resolution, bucket, cfg)) in self.graphs
+    def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1) -> bool:
+        return _key(component, graph_name(component, resolution, bucket, cfg, batch)) in self.graphs
 
     def check_resolution(self, height: int, width: int) -> None:
         if (height, width) not in self.resolutions:

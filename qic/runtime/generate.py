@@ -68,31 +68,45 @@ def validate(req: Request, bundle: Bundle) -> Request:
 
 
 def generate(bundle: Bundle, req: Request) -> Result:
-    req = validate(req, bundle)
+    return generate_batch(bundle, [req])[0]
+
+
+def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
+    """Run compatible requests (equal `batch_key`) as one batch through the graphs of that batch size
+    (the batch-1 graphs for one request; `@B<n>` graphs, built by `batch_sizes`, for n). Each request
+    keeps its own prompt, negative prompt, seed and guidance: the step graph takes guidance as one scale
+    per image ([n]; a 0-dim scalar at batch 1). Timings are the batch's, shared by its results."""
+    reqs = [validate(r, bundle) for r in reqs]
+    n = len(reqs)
     times: dict = {}
     t = time.perf_counter()
-    plan = text_plan(bundle, req)
-    cfg, ids_pos, ids_neg, bucket = plan.cfg, plan.ids_pos, plan.ids_neg, plan.bucket
-    res = (req.height, req.width)
+    plans = [text_plan(bundle, r) for r in reqs]
+    if len({batch_key(r, p) for r, p in zip(reqs, plans)}) != 1:
+        raise ConfigError("requests of one batch must share resolution, text bucket, steps and CFG mode")
+    first = reqs[0]
+    cfg, bucket = plans[0].cfg, plans[0].bucket
+    res = (first.height, first.width)
     drop = bundle.prompt["drop_tokens"]
-    length = bucket or max(len(ids_pos), len(ids_neg))
-    # Without CFG the no-CFG step graph (batch 1, one transformer call a step) runs when the bundle has
-    # it; else the CFG graph with the uncond row repeating the prompt and guidance 1, which makes the
+    length = bucket or max(len(ids) for p in plans for ids in (p.ids_pos, p.ids_neg))
+    # Without CFG the no-CFG step graph (one transformer call a step) runs when the bundle has it;
+    # else the CFG graph with the uncond rows repeating the prompts and guidance 1, which makes the
     # combination exactly the cond prediction at twice the cost.
-    batched = cfg or not bundle.has_graph("denoiser", res, bucket, cfg=False)
-    if cfg and not bundle.has_graph("denoiser", res, bucket, cfg=True):
-        raise ConfigError(f"guidance {req.guidance} asks for true CFG, but this bundle has only the no-CFG step graph",
+    batched = cfg or not bundle.has_graph("denoiser", res, bucket, cfg=False, batch=n)
+    if cfg and not bundle.has_graph("denoiser", res, bucket, cfg=True, batch=n):
+        raise ConfigError(f"guidance {first.guidance} asks for true CFG, but this bundle has only the no-CFG step graph",
                           "run with --guidance 1, or rebuild with `cfg: [true, false]` in the config")
     times["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    encoder = bundle.graph("text_encoder", bucket=bucket)
+    encoder = bundle.graph("text_encoder", bucket=bucket, batch=n)
     embeds, masks = [], []
-    for ids in ([ids_pos, ids_neg] if cfg else [ids_pos]):
-        padded = torch.zeros(1, length, dtype=torch.long)
-        padded[0, :len(ids)] = torch.tensor(ids)
-        mask = torch.zeros(1, length, dtype=torch.long)
-        mask[0, :len(ids)] = 1
+    # Text rows: the n prompts, then (CFG) their n negative prompts, as DenoiseStep splits them.
+    for rows in ([[p.ids_pos for p in plans], [p.ids_neg for p in plans]] if cfg else [[p.ids_pos for p in plans]]):
+        padded = torch.zeros(n, length, dtype=torch.long)
+        mask = torch.zeros(n, length, dtype=torch.long)
+        for i, ids in enumerate(rows):
+            padded[i, :len(ids)] = torch.tensor(ids)
+            mask[i, :len(ids)] = 1
         hidden = encoder(padded, mask)[0]
         embeds.append(hidden[:, drop:])
         masks.append(mask[:, drop:])
@@ -104,20 +118,26 @@ def generate(bundle: Bundle, req: Request) -> Result:
 
     lat = bundle.latents
     sf = lat["vae_scale_factor"]
-    noise = initial_noise(req.seed, lat["z_dim"], req.height, req.width, sf)
-    schedule = flow_match_schedule(bundle.scheduler, req.steps, noise.shape[1])
-    step = bundle.graph("denoiser", res, bucket, cfg=batched)
-    guidance = [torch.tensor(float(req.guidance) if cfg else 1.0, dtype=torch.float32)] if batched else []
+    noise = torch.cat([initial_noise(r.seed, lat["z_dim"], r.height, r.width, sf) for r in reqs], 0)
+    schedule = flow_match_schedule(bundle.scheduler, first.steps, noise.shape[1])
+    step = bundle.graph("denoiser", res, bucket, cfg=batched, batch=n)
+    scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
+    guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
     x = noise
-    for i in range(req.steps):
+    for i in range(first.steps):
         t = time.perf_counter()
         x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], *guidance)[0]
         times[f"step{i}"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    image = bundle.graph("vae_decoder", (req.height, req.width))(x.float())[0]
+    images = bundle.graph("vae_decoder", res, batch=n)(x.float())[0]
     times["decode"] = time.perf_counter() - t
-    return Result(to_pil(image), req, times, bucket)
+    return [Result(to_pil(images[i:i + 1]), r, dict(times), bucket) for i, r in enumerate(reqs)]
+
+
+def batch_key(req: Request, plan: TextPlan) -> tuple:
+    """Requests with equal keys run the same graphs with the same scalars, so they can share a batch."""
+    return (req.height, req.width, plan.bucket, req.steps, plan.cfg)
 
 
 @dataclass

@@ -78,8 +78,8 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
     log = logging.getLogger("qic.serve")
     runner = BundleRunner(bundle, group)
     log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s, "
-             f"warmed every graph in {warmed:.2f} s; batch sizes: bundle {list(runner.bundle_batch_sizes)}, "
-             f"run {list(runner.batch_sizes)}")
+             f"warmed every graph in {warmed:.2f} s; batch sizes {list(runner.batch_sizes)} "
+             f"(up to --max-batch {settings.max_batch})")
     # In-flight and queued requests get the request timeout to finish after SIGTERM, then are cut.
     config = uvicorn.Config(create_app(runner, settings), access_log=False, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(settings.timeout) + 5)

@@ -1,9 +1,10 @@
 """The server's view of a loaded bundle: what it serves, how a request is checked, and running it.
 
-Images come from the runtime's own `generate` and `png_bytes`, so a served PNG is byte for byte the
-file `qic run` writes with the same settings. With tensor parallelism, rank 0 serves HTTP and sends
+Images come from the runtime's own `generate_batch` and `png_bytes`: a batch of one is exactly `qic run`'s
+`generate`, and a batch of n (through the bundle's `@B<n>` graphs) gives each request the image it would
+get alone (see tests/test_batching.py for the bound). With tensor parallelism, rank 0 serves HTTP and sends
 each batch to the other ranks over a control process group before running it; every rank then runs
-the same `generate`, whose graphs all-reduce among them.
+the same `generate_batch`, whose graphs all-reduce among them.
 """
 
 from __future__ import annotations
@@ -13,13 +14,8 @@ import datetime
 import torch
 
 from qic.runtime.bundle import Bundle
-from qic.runtime.generate import Request, generate, text_plan, validate
+from qic.runtime.generate import Request, batch_key, generate_batch, text_plan, validate
 from qic.runtime.png import png_bytes
-
-# The generation loop runs one image at a time; batched denoise graphs would be listed in the
-# manifest's `batch_sizes` by a build that makes them, and the runner would then run them.
-RUNTIME_BATCH_SIZES = (1,)
-
 
 def manifest_batch_sizes(manifest: dict) -> tuple[int, ...]:
     """The batch sizes a bundle has graphs for (`batch_sizes` in the manifest; bundles without it: 1)."""
@@ -60,8 +56,7 @@ def follow(bundle: Bundle, group) -> None:
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             return
-        for req in box[0]:
-            generate(bundle, req)
+        generate_batch(bundle, box[0])
 
 
 class BundleRunner:
@@ -71,8 +66,7 @@ class BundleRunner:
         # The served model is named after the bundle directory (what the operator chose to deploy).
         self.model_id = bundle.path.resolve().name
         self.created = int(bundle.path.joinpath("manifest.json").stat().st_mtime)
-        self.bundle_batch_sizes = manifest_batch_sizes(bundle.manifest)
-        self.batch_sizes = tuple(s for s in self.bundle_batch_sizes if s in RUNTIME_BATCH_SIZES)
+        self.batch_sizes = manifest_batch_sizes(bundle.manifest)   # all run: generate_batch takes any of them
         # OpenAI sizes are WIDTHxHEIGHT; the bundle lists (height, width).
         self.sizes = {f"{w}x{h}": (h, w) for h, w in bundle.resolutions}
 
@@ -80,8 +74,7 @@ class BundleRunner:
         """Check a request against the bundle (ConfigError if it cannot run) and return its batch key:
         requests with equal keys run the same graphs with the same scalars' shapes."""
         validate(req, self.bundle)
-        text = text_plan(self.bundle, req)
-        return (req.height, req.width, text.bucket, req.steps, text.cfg)
+        return batch_key(req, text_plan(self.bundle, req))
 
     def run(self, reqs: list[Request]) -> list[bytes]:
         if len(reqs) not in self.batch_sizes:
@@ -89,7 +82,7 @@ class BundleRunner:
         if self.group is not None:
             import torch.distributed as dist
             dist.broadcast_object_list([reqs], src=0, group=self.group)
-        return [png_bytes(generate(self.bundle, r), self.bundle.id, self.bundle.weights_id) for r in reqs]
+        return [png_bytes(r, self.bundle.id, self.bundle.weights_id) for r in generate_batch(self.bundle, reqs)]
 
     def close(self) -> None:
         """Release the other ranks (tensor-parallel): nothing more will come."""

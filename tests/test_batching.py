@@ -1,0 +1,165 @@
+"""Batched graphs (build config `batch_sizes`) and `generate_batch`, alone and behind `qic serve`.
+
+Batch parity bound: each image of a batch is compared with the image `generate` makes for that request
+alone. The graphs compute the same fp32 arithmetic per image, but a batch of n feeds n times the rows to
+each matmul and attention kernel, which may block (and so sum) them differently: fp32 rounding-level
+differences in the latents, which can move a pixel across a rounding boundary of the 8-bit output and
+nowhere further. So: at most 1 level of 255 per pixel, and almost every pixel exact.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from qic.errors import ConfigError
+from qic.spec import parse_spec
+from tests.conftest import TINY_RES, image_diff, pixels, qic
+from tests.helpers import rel_l2
+from tests.test_mmdit import TOL, _inputs, models  # noqa: F401 (models: the eager tiny MMDiT fixture)
+from tests.test_serve import ServeProcess
+
+LEVEL = 1.0            # one 8-bit level: the bound (module docstring)
+MEAN = 0.01            # mean |diff| in levels: a few flipped roundings among 3*48*80 values at most
+
+
+def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
+    from qic.build.pipeline import _graph_name, graph_shapes
+    for bad in ([0], "two", [1.5], [True], []):
+        with pytest.raises(ConfigError, match="batch_sizes must be a list of positive integers"):
+            parse_spec({"batch_sizes": bad})
+    with pytest.raises(ConfigError, match="batch_sizes .* needs fixed text_buckets"):
+        parse_spec({"batch_sizes": [2], "text_buckets": 0})
+    assert parse_spec({"batch_sizes": "2"}).batch_sizes == (1, 2)   # batch 1 is always built
+    plain = graph_shapes(parse_spec({}))
+    both = graph_shapes(parse_spec({"batch_sizes": [1, 2]}))
+    assert [g for g in both if "batch" not in g[1]] == plain        # batch-1 shapes (spec keys) unchanged
+    assert sorted(_graph_name(c, shape) for c, shape in both if "batch" in shape) == [
+        "denoiser@48x80@L128@B2", "text_encoder@L128@B2", "vae_decoder@48x80@B2"]
+
+
+def test_denoise_step_batch_of_two_is_two_single_steps_and_pairs_rows(models):
+    """Eager DenoiseStep: text rows [cond 0, cond 1, uncond 0, uncond 1], guidance [2]. A batch regroups
+    fp32 sums (rows per matmul), so the bound is test_mmdit's summation-order TOL on the update."""
+    from qic.models.mmdit import rope_tables
+    from qic.models.step import DenoiseStep
+    _, ours, config, grid = models
+    latents, _ = _inputs(config, grid, 2, 5, seed=5)
+    _, text = _inputs(config, grid, 4, 5, seed=6)
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[1, 4:], mask[2, 3:] = 0, 0           # padding differs per row
+    cos, sin = rope_tables(config, *grid, 5)
+    scalars = (torch.tensor(600.0), torch.tensor(0.6), torch.tensor(0.45))
+    guidance = torch.tensor([2.5, 6.0])
+    step, plain = DenoiseStep(ours), DenoiseStep(ours, cfg=False)
+
+    def update(out, i):
+        return out[i:i + 1] - latents[i:i + 1]
+
+    with torch.no_grad():
+        got = step(latents, text, mask, *scalars, guidance, cos, sin)
+        got_plain = plain(latents, text[:2], mask[:2], *scalars, None, cos, sin)
+        for i in (0, 1):
+            rows = [i, 2 + i]
+            alone = step(latents[i:i + 1], text[rows], mask[rows], *scalars, guidance[i], cos, sin)
+            assert rel_l2(update(got, i), alone - latents[i:i + 1]) <= TOL
+            alone = plain(latents[i:i + 1], text[i:i + 1], mask[i:i + 1], *scalars, None, cos, sin)
+            assert rel_l2(update(got_plain, i), alone - latents[i:i + 1]) <= TOL
+        # Wrong pairings break it: uncond rows swapped between the images, or their guidance scales.
+        swapped = step(latents, text[[0, 1, 3, 2]], mask[[0, 1, 3, 2]], *scalars, guidance, cos, sin)
+        assert rel_l2(update(swapped, 0), update(got, 0)) > 100 * TOL
+        flipped = step(latents, text, mask, *scalars, guidance.flip(0), cos, sin)
+        assert rel_l2(update(flipped, 0), update(got, 0)) > 100 * TOL
+
+
+@pytest.fixture(scope="module")
+def loaded(bundle_batch2):
+    from qic.runtime.bundle import Bundle
+    return Bundle(bundle_batch2)
+
+
+def test_batched_images_equal_each_request_run_alone(loaded):
+    from qic.runtime.generate import Request, generate, generate_batch
+    assert loaded.manifest["batch_sizes"] == [1, 2]
+
+    # CFG: same prompt and seed, different negative prompt and guidance, so only a right pairing of each
+    # image with its own uncond row and scale can match (the cross comparison below shows it would fail).
+    def cfg_pair():
+        return [Request("a red bicycle", negative_prompt=" ", guidance=2.5, seed=1, steps=3),
+                Request("a red bicycle", negative_prompt="blurry", guidance=6.0, seed=1, steps=3)]
+
+    # No CFG (guidance 1: the CFG graph with guidance 1, this bundle has no no-CFG graph): other prompts, seeds.
+    def plain_pair():
+        return [Request("a cat", guidance=1.0, seed=3, steps=2), Request("a dog on the grass", guidance=1.0, seed=4,
+                                                                          steps=2)]
+
+    for make in (cfg_pair, plain_pair):
+        batched = generate_batch(loaded, make())
+        alone = [generate(loaded, r) for r in make()]
+        for got, want in zip(batched, alone):
+            worst, mean = image_diff(got.image, want.image)
+            assert worst <= LEVEL and mean <= MEAN, (make.__name__, worst, mean)
+        # A wrong pairing breaks the bound: each batched image against the other request's.
+        assert image_diff(batched[0].image, alone[1].image)[0] > 10 * LEVEL
+        assert image_diff(batched[1].image, alone[0].image)[0] > 10 * LEVEL
+
+
+def test_generate_batch_refuses_incompatible_requests(loaded):
+    from qic.runtime.generate import Request, generate_batch
+    with pytest.raises(ConfigError, match="share resolution, text bucket, steps and CFG mode"):
+        generate_batch(loaded, [Request("a cat", steps=2), Request("a cat", steps=3)])
+
+
+def test_server_batches_two_concurrent_requests_like_qic_run(bundle_batch2, tmp_path):
+    from qic.serve.client import request
+    size = "{1}x{0}".format(*TINY_RES)
+    bodies = [{"prompt": "a red bicycle", "seed": 5, "steps": 2, "guidance": 3.0, "negative_prompt": "blurry"},
+              {"prompt": "a blue car", "seed": 6, "steps": 2, "guidance": 5.0, "negative_prompt": " "}]
+    srv = ServeProcess(bundle_batch2, tmp_path / "serve.log", "--max-batch", 2)
+    try:
+        out: dict = {}
+
+        def post(name, body):
+            out[name] = request(srv.port, "POST", "/v1/images/generations", {**body, "size": size}, timeout=120)
+
+        # A longer request of other steps holds the runner, so the two compatible ones are both queued
+        # when it frees (the queue groups only what is waiting; this makes them wait).
+        blocker = threading.Thread(target=post, args=("blocker", {"prompt": "x", "seed": 9, "steps": 40}))
+        blocker.start()
+        time.sleep(0.1)
+        pair = [threading.Thread(target=post, args=(i, b)) for i, b in enumerate(bodies)]
+        for t in pair:
+            t.start()
+        for t in [blocker, *pair]:
+            t.join(120)
+    finally:
+        srv.close()
+    assert srv.proc.returncode == 0, srv.log_path.read_text()
+    records = {r["seed"]: r for r in map(json.loads, filter(lambda s: s.startswith("{"),
+                                                            srv.log_path.read_text().splitlines()))
+               if r.get("path") == "/v1/images/generations"}
+    assert [records[s]["batch"] for s in (9, 5, 6)] == [1, 2, 2], records
+    served = []
+    for i in range(2):
+        status, _, body = out[i]
+        assert status == 200, body
+        served.append(base64.b64decode(body["data"][0]["b64_json"]))
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    qic("run", bundle_batch2, "--prompts-file", tmp_path / "p.jsonl", "--output", tmp_path / "img.png")
+    written = [(tmp_path / f"img-{i:03d}.png").read_bytes() for i in range(2)]
+    for got, want in zip(served, written):
+        # Bytes can differ only where a pixel moved one level (module docstring); the metadata is the same.
+        a, b = Image.open(io.BytesIO(got)), Image.open(io.BytesIO(want))
+        assert a.text == b.text
+        worst, mean = image_diff(a, b)
+        assert worst <= LEVEL and mean <= MEAN, (worst, mean)
+    assert np.abs(pixels(Image.open(io.BytesIO(served[0]))) - pixels(Image.open(io.BytesIO(written[1])))).max() > 10
