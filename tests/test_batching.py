@@ -46,7 +46,7 @@ def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
         "denoiser@48x80@L128@B2", "text_encoder@L128@B2", "vae_decoder@48x80@B2"]
 
 
-def test_denoise_step_batch_of_two_is_two_single_steps_and_pairs_rows(models):
+def test_denoise_step_batch_of_two_is_two_single_steps_and_pairs_rows(models):  # noqa: F811 (fixture)
     """Eager DenoiseStep: text rows [cond 0, cond 1, uncond 0, uncond 1], guidance [2]. A batch regroups
     fp32 sums (rows per matmul), so the bound is test_mmdit's summation-order TOL on the update."""
     from qic.models.mmdit import rope_tables
