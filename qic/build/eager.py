@@ -56,19 +56,19 @@ class EagerModel:
         from qic.host.latents import check_resolution
         check_resolution(height, width, self.latents["vae_scale_factor"])
 
-    def has_graph(self, component, resolution=None, bucket=None, cfg=True):
+    def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1):
         return True  # eager modules make every graph on demand
 
-    def graph(self, component, resolution=None, bucket=None, cfg=True):
-        key = (component, resolution, bucket, cfg)
+    def graph(self, component, resolution=None, bucket=None, cfg=True, batch=1):
+        key = (component, resolution, bucket, cfg, batch)
         if key not in self._graphs:
             m = self.modules[component]
             if component == "text_encoder":
-                gdef = text_encoder_graph(m, bucket)
+                gdef = text_encoder_graph(m, bucket, batch=batch)
             elif component == "denoiser":
                 gdef = denoiser_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
-                                      bucket, self.dtype, cfg=cfg)
+                                      bucket, self.dtype, cfg=cfg, batch=batch)
             else:
-                gdef = vae_decoder_graph(m, *resolution)
+                gdef = vae_decoder_graph(m, *resolution, batch=batch)
             self._graphs[key] = _Eager(gdef)
         return self._graphs[key]
