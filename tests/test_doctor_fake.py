@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from qic import cli_doctor
 from qic.backends import neuron_loader
@@ -22,11 +19,8 @@ def by_name(checks) -> dict:
     return {c.name: c for c in checks}
 
 
-def test_doctor_with_fakes(tmp_path, monkeypatch):
-    if not shutil.which("gcc"):
-        pytest.skip("gcc is needed to build the fake libnrt")
-    lib = tmp_path / "libnrt_fake.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(FAKES / "fake_libnrt.c")], check=True)
+def test_doctor_with_fakes(tmp_path, monkeypatch, fake_libnrt):
+    lib = fake_libnrt
     venv_python = tmp_path / ".venv-xla" / "bin" / "python"       # a FAKE interpreter answering the probe
     venv_python.parent.mkdir(parents=True)
     venv_python.write_text("#!/bin/sh\necho 2.9.0 2.9.0\n")
