@@ -91,11 +91,11 @@ class NeuronBackend(Backend):
         """Write the lowered graph's files; params.json maps HLO parameters to the runtime's lists."""
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / HLO_FILE).write_bytes(lowered.proto)
+        # Constants torch-xla made are appended to the weights (weight_inputs holds them).
         index = {("input", n): i for i, n in enumerate(input_names)}
         index.update({("weight", n): i for i, n in enumerate(weight_inputs)})
-        params = [["input" if p["kind"] == "input" else "weight", index[("input" if p["kind"] == "input"
-                                                                         else "weight", p["name"])]]
-                  for p in lowered.param_order]
+        kinds = ["input" if p["kind"] == "input" else "weight" for p in lowered.param_order]
+        params = [[k, index[(k, p["name"])]] for k, p in zip(kinds, lowered.param_order)]
         (out_dir / PARAMS_FILE).write_text(json.dumps({"params": params, "outputs": lowered.outputs}) + "\n")
         return CompiledGraph(file=HLO_FILE, meta={"extra_files": [PARAMS_FILE]})
 
@@ -109,11 +109,7 @@ class NeuronBackend(Backend):
         """
         from qic.backends import xla_lower
         sample = check_inputs(inputs, tensors)
-        feed = dict(sample)
-        params = [feed[p["name"]] if p["kind"] == "input" else
-                  (lowered.constants[p["name"]] if p["kind"] == "constant" else tensors[p["name"]])
-                  for p in lowered.param_order]
-        got = xla_lower.execute(lowered.proto, [p.detach().contiguous() for p in params])
+        got = xla_lower.execute(lowered.proto, lowered.values(sample, tensors))
         want = _run(module, tensors, sample)
         rel = max(_rel(g, w) for g, w in zip(got, want))
         if not any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors.values()):

@@ -15,8 +15,6 @@ import torch
 
 from qic.errors import BundleError
 
-DEVICES = ("neuron", "xla-cpu")
-
 
 def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, world: int = 1, lnc: int = 1,
          outputs: list[dict] | None = None):

@@ -52,12 +52,18 @@ class Lowered:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # values of "constant" parameters
     outputs: int = 1
 
+    def values(self, inputs: list[tuple[str, torch.Tensor]], weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors for the HLO's parameters, in order: graph inputs by name, weights, constants."""
+        feed = dict(inputs)
+        return [(feed[p["name"]] if p["kind"] == "input" else
+                 self.constants[p["name"]] if p["kind"] == "constant" else weights[p["name"]]).detach().contiguous()
+                for p in self.param_order]
+
 
 def lower(module: torch.nn.Module, inputs: list[tuple[str, torch.Tensor]], weights: dict[str, torch.Tensor],
           tp: int = 1) -> Lowered:
     """Trace `module(*inputs)` with `weights` substituted for its tensors (functional_call), on XLA
     placeholders of the same shapes and dtypes. Values are never read."""
-    device = torch_xla.device()
     _fresh_token()
     fake_inputs = [_placeholder(t) for _, t in inputs]
     fake_weights = {n: _placeholder(t) for n, t in weights.items()}
@@ -82,7 +88,6 @@ def lower(module: torch.nn.Module, inputs: list[tuple[str, torch.Tensor]], weigh
     missing = [i for i in range(n) if i not in order]
     if missing:
         raise RuntimeError(f"HLO parameters {missing[:5]} map to no graph input, weight or constant")
-    del device
     # Parameters renumbered: graph inputs first, then weights, then constants, each in the caller's
     # order, so a runtime binds weights once and feeds inputs by position (what the NEFF runner does).
     rank = {"input": 0, "weight": 1, "constant": 2}
@@ -93,12 +98,12 @@ def lower(module: torch.nn.Module, inputs: list[tuple[str, torch.Tensor]], weigh
     for new, i in enumerate(old):
         new_number[i] = new
     proto = hlo_proto.name_entry_tensors(hlo_proto.reorder_parameters(ctx.hlo(), new_number))
-    params = [order[i] for i in old]
+    param_order = [order[i] for i in old]
     signature, _ = hlo_proto.entry_signature(proto)
-    wide = [f"{p['kind']} {p['name']}" for p, (t, _) in zip(params, signature) if t == "f64"]
+    wide = [f"{p['kind']} {p['name']}" for p, (t, _) in zip(param_order, signature) if t == "f64"]
     if wide:   # NeuronCores have no fp64 arithmetic: the model code must not make fp64 values
         raise RuntimeError(f"lowered graph has fp64 parameters: {', '.join(wide[:3])}")
-    return Lowered(proto, params, constants, len(outs))
+    return Lowered(proto, param_order, constants, len(outs))
 
 
 def _record(order: dict, pid: int, entry: dict) -> None:
@@ -110,12 +115,11 @@ def _placeholder(t: torch.Tensor) -> torch.Tensor:
     return xb.create_placeholder_tensor(tuple(t.shape), t.dtype)
 
 
-def execute(proto: bytes, params: list[torch.Tensor], name: str = "qic_graph") -> list[torch.Tensor]:
-    """Run a serialized HloModuleProto on XLA:CPU with CPU tensors (in parameter order); CPU outputs."""
-    computation = xb.computation_from_module_proto(name, proto)
-    device = torch_xla.device()
-    outs = torch_xla._XLAC._xla_user_computation(f"qic::{name}", [p.to(device) for p in params], computation)
-    return [o.cpu() for o in outs]
+def execute(proto: bytes, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a serialized HloModuleProto on XLA:CPU with CPU tensors (in parameter order); CPU outputs.
+    The runtime's own path (every parameter fed per call)."""
+    from qic.backends import xla_runtime
+    return xla_runtime.run_once(proto, params)
 
 
 def execute_ranks(proto: bytes, per_rank: list[list[torch.Tensor]],

@@ -52,13 +52,6 @@ def _inputs(gdef, seed: int = 1):
     return check_inputs(gdef.inputs, tensors)
 
 
-def _params(lowered, inputs, weights):
-    feed = dict(inputs)
-    return [feed[p["name"]] if p["kind"] == "input" else
-            lowered.constants[p["name"]] if p["kind"] == "constant" else weights[p["name"]]
-            for p in lowered.param_order]
-
-
 def _graph(component: str, module, cfgs, res=(48, 80), bucket=128, dtype="float32"):
     if component == "denoiser":
         return denoiser_graph(module, cfgs["denoiser"], cfgs["vae_decoder"].scale_factor, *res, bucket, dtype)
@@ -98,7 +91,7 @@ def tp_check(tp: int) -> dict:
         for r in range(tp):
             shard = stack_block_weights(shard_state_dict(component, full.state_dict(), r, tp), prefix, cfg.num_layers)
             weights = {**owned, **{g.weight_prefix + k: v for k, v in shard.items()}}
-            per_rank.append([p.detach().contiguous() for p in _params(low, inputs, weights)])
+            per_rank.append(low.values(inputs, weights))
         outs = xl.execute_ranks(low.proto, per_rank)
         # The comparison can fail: rank 0 holding rank 1's shard as well breaks the sum.
         wrong = xl.execute_ranks(low.proto, [per_rank[1]] + per_rank[1:])
@@ -142,7 +135,7 @@ def _step_seconds(low, g, tensors, repeats: int = 3) -> float:
     import torch_xla.core.xla_builder as xb
     comp = xb.computation_from_module_proto("step", low.proto)
     dev = torch_xla.device()
-    params = [p.detach().contiguous().to(dev) for p in _params(low, _inputs(g), tensors)]
+    params = [p.to(dev) for p in low.values(_inputs(g), tensors)]
 
     def step():
         return torch_xla._XLAC._xla_user_computation("qic::step", params, comp)[0].cpu()
@@ -183,7 +176,7 @@ def _host_loop(blocks: int, repeats: int = 3) -> dict:
     t0 = time.perf_counter()
     low = xl.lower(wrapper, real, weights)
     lower_s = time.perf_counter() - t0
-    params = [p.detach().contiguous() for p in _params(low, real, weights)]
+    params = low.values(real, weights)
     import torch_xla.core.xla_builder as xb
     comp = xb.computation_from_module_proto("block", low.proto)
     dev = torch_xla.device()
@@ -265,13 +258,12 @@ def sensitivity() -> dict:
     unpadded = {**feed, "text_mask": torch.ones_like(feed["text_mask"])}
     with torch.no_grad():
         want = torch.func.functional_call(g.module, tensors, tuple(t for _, t in inputs))
-    unpadded_params = _params(low, list(unpadded.items()), tensors)
-    got_mask = xl.execute(low.proto, [p.detach().contiguous() for p in unpadded_params])[0]
+    got_mask = xl.execute(low.proto, low.values(list(unpadded.items()), tensors))[0]
     name = next(n for n in tensors if "stacked" in n and n.endswith("img_mlp.net.2.weight"))
     broken = dict(tensors)
     broken[name] = tensors[name].clone()
     broken[name][1] = 0
-    got_w = xl.execute(low.proto, [p.detach().contiguous() for p in _params(low, inputs, broken)])[0]
+    got_w = xl.execute(low.proto, low.values(inputs, broken))[0]
 
     def rel(x):
         return ((x.float() - want.float()).norm() / want.float().norm()).item()

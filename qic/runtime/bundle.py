@@ -85,8 +85,7 @@ class Bundle:
             weights = [constants[n] for n in g["weight_inputs"]]
             placement = {}
             if m["backend"]["backend"] == "neuron":
-                placement = {"rank": rank, "world": world, "lnc": (m.get("neuron") or {}).get("lnc", 1),
-                             "outputs": None}
+                placement = {"rank": rank, "world": world, "lnc": (m.get("neuron") or {}).get("lnc", 1)}
             run = load_graph(m["backend"]["backend"], self.path / g["file"], weights, self.device, **placement)
             key = _key(g["component"], g["name"])
             self.graphs[key] = Graph(g["name"], run, g["inputs"])

@@ -93,7 +93,8 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     # combination exactly the cond prediction at twice the cost.
     batched = cfg or not bundle.has_graph("denoiser", res, bucket, cfg=False, batch=n)
     if cfg and not bundle.has_graph("denoiser", res, bucket, cfg=True, batch=n):
-        raise ConfigError(f"guidance {first.guidance} asks for true CFG, but this bundle has only the no-CFG step graph",
+        raise ConfigError(f"guidance {first.guidance} asks for true CFG, but this bundle has only the no-CFG "
+                          "step graph",
                           "run with --guidance 1, or rebuild with `cfg: [true, false]` in the config")
     times["tokenize"] = time.perf_counter() - t
 

@@ -17,6 +17,7 @@ from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, batch_key, generate_batch, text_plan, validate
 from qic.runtime.png import png_bytes
 
+
 def manifest_batch_sizes(manifest: dict) -> tuple[int, ...]:
     """The batch sizes a bundle has graphs for (`batch_sizes` in the manifest; bundles without it: 1)."""
     sizes = manifest.get("batch_sizes", [1])
