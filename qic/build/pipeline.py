@@ -183,22 +183,22 @@ def neff_stage(backend, artifacts, cache: Path, report: BuildReport, progress) -
         report.warnings.append(f"no NEFFs: {backend.compiler_missing}; the bundle is lower-only (every graph "
                                f"{checked}); the same build on a Trainium host compiles it")
         return artifacts
-    jobs = []
+    # Each NEFF lives under its own cache key (HLO digest, compiler version, canonical flags), so a
+    # compiler upgrade or new flags never overwrite a NEFF another build uses.
+    jobs, hits = [], []
     for art in artifacts:
         flags = tuple(backend.flags(art.meta["component"]))
-        out = cache / "neffs" / f"{art.graph_key}-{neuron_cc.cache_key('', '', flags)[:12]}"
-        jobs.append(neuron_cc.CompileJob(art.directory / HLO_FILE, out, flags))
-    t = time.perf_counter()
-    before = [neuron_cc.cached(j.out_dir, neuron_cc.cache_key(art.meta["files"][HLO_FILE]["sha256"],
-                                                             backend.compiler_version, j.args))
-              for j, art in zip(jobs, artifacts)]
+        key = neuron_cc.cache_key(art.meta["files"][HLO_FILE]["sha256"], backend.compiler_version, flags)
+        jobs.append(neuron_cc.CompileJob(art.directory / HLO_FILE, cache / "neffs" / key, flags))
+        hits.append(neuron_cc.cached(jobs[-1].out_dir, key))
     if progress:
-        progress("neff", f"{len(jobs) - sum(before)} graphs", None)
+        progress("neff", f"{len(jobs) - sum(hits)} graphs", None)
+    t = time.perf_counter()
     neffs = neuron_cc.compile_many(jobs, compiler=backend.compiler)
     out = []
-    for art, neff, hit in zip(artifacts, neffs, before):
+    for art, job, neff, hit in zip(artifacts, jobs, neffs, hits):
         meta = {**art.meta, "neff": {"path": str(neff), "sha256": stage2.sha256_file(neff),
-                                     "bytes": neff.stat().st_size, "flags": list(backend.flags(art.meta["component"])),
+                                     "bytes": neff.stat().st_size, "flags": list(job.args),
                                      "compiler": backend.compiler_version}}
         out.append(dataclasses.replace(art, meta=meta))
         report.rows.append(Row("neff", art.meta["graph"], hit, neff.stat().st_size, time.perf_counter() - t))
