@@ -162,8 +162,8 @@ def lower_graph(gdef: GraphDef, backend: Backend, weight_names: set[str], cache_
                                            f"{result['xla_cpu_rel_l2']:.3g})", "report this as a qic bug")
                     checks.update({k: float(f"{v:.3g}") if isinstance(v, float) else v for k, v in result.items()})
                 else:
-                    # A TP graph's all-reduces need tp XLA:CPU devices executing in lockstep; the tests run
-                    # that (tests/test_neuron_xla.py), the build records the single-device figure only.
+                    # A TP graph's collectives need tp XLA:CPU devices executing in lockstep with every rank's
+                    # shard; the tests run that (tests/test_neuron_xla.py); the build records no figure.
                     checks["xla_cpu_check"] = f"not run at build time for tp={tp} (see tests/test_neuron_xla.py)"
                 meta = _seal(tmp, gdef, compiled, names, owned, identity, gkey, t0, sign,
                              checks=checks, hlo={"bytes": len(lowered.proto), "parameters": len(lowered.param_order)})
