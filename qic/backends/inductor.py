@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -18,6 +19,23 @@ from qic.target import host_target
 # Weights reach the graph as inputs (see qic.build.compile), so the package holds no weights to
 # leave out; the defaults stay explicit here because they are part of every cache key.
 INDUCTOR_CONFIGS: dict = {}
+# qic's own post-grad pass for CPU graphs (why: in that file). Keyed by its source's digest, read without
+# importing it: importing inductor's pass base class costs a second on no-op builds.
+PASSES_FILE = Path(__file__).with_name("inductor_passes.py")
+
+
+def passes_digest() -> str:
+    return hashlib.sha256(PASSES_FILE.read_bytes()).hexdigest()[:16]
+
+
+def compile_options(device: str, passes: bool = True) -> dict:
+    """The inductor configs qic compiles a graph with on `device` (passes=False: without qic's pass, for
+    the before/after of qic.bench.step_profile)."""
+    options = dict(INDUCTOR_CONFIGS)
+    if device == "cpu" and passes:
+        from qic.backends.inductor_passes import UnfuseCpuBiasAddmm
+        options["post_grad_custom_post_pass"] = UnfuseCpuBiasAddmm()
+    return options
 
 
 class InductorBackend(Backend):
@@ -40,6 +58,7 @@ class InductorBackend(Backend):
         compiler (6 s) on every build, including no-op ones."""
         ident = {"backend": self.name, "torch": torch.__version__, "torch_git": torch.version.git_version,
                  "device": self.device, "configs": INDUCTOR_CONFIGS, "env": _compiler_env(),
+                 "passes": {"unfuse_cpu_bias_addmm": passes_digest()} if self.device == "cpu" else {},
                  "cxx": cxx_version(), "target": host_target(self.device)}
         if self.device == "cuda":
             ident["cuda"] = torch.version.cuda
@@ -55,7 +74,7 @@ class InductorBackend(Backend):
             # notice to torch's developers that tells a qic user nothing. Only that one is silenced.
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                     category=FutureWarning)
-            aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS))
+            aoti_compile_and_package(program, package_path=str(path), inductor_configs=compile_options(self.device))
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         baked = loader.get_constant_fqns()
         if baked:  # a weight-dependent constant would silently pin one checkpoint's values
