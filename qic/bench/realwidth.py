@@ -146,20 +146,26 @@ def pixel_diff(a: Path, b: Path) -> tuple[int, float]:
     return int(d.max()), float(d.mean())
 
 
-def diffusers_side(ckpt: str, size: int, steps: int, png: str) -> None:
+def diffusers_side(ckpt: str, size: int, steps: int, png: str, device: str = "cpu", dtype: str = "float32") -> None:
     """One image with diffusers in this process; prints the per-step times as one JSON line.
 
     A step is diffusers' two transformer calls (cond, then uncond) and the guidance/scheduler work
-    between them: from the first call's start to the second call's end."""
+    between them: from the first call's start to the second call's end. On a GPU each mark waits for
+    the device first, so a mark is when the work before it finished, not when it was queued."""
     import torch
     from diffusers import QwenImagePipeline
     t = time.perf_counter()
-    pipe = QwenImagePipeline.from_pretrained(ckpt, torch_dtype=torch.float32)
+    pipe = QwenImagePipeline.from_pretrained(ckpt, torch_dtype=getattr(torch, dtype)).to(device)
     pipe.set_progress_bar_config(disable=True)
     load = time.perf_counter() - t
     marks: list[float] = []
-    pipe.transformer.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
-    pipe.transformer.register_forward_hook(lambda *_: marks.append(time.perf_counter()))
+
+    def mark(*_):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+    pipe.transformer.register_forward_pre_hook(mark)
+    pipe.transformer.register_forward_hook(mark)
     pipe(PROMPT, negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=steps, height=size, width=size,
          generator=torch.Generator("cpu").manual_seed(SEED)).images[0].save(png)
     calls = list(zip(marks[0::2], marks[1::2]))
@@ -181,7 +187,8 @@ def bench(args) -> dict:
     d: Path = args.dir
     d.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    res: dict = {"depth": args.depth, "steps": args.steps, "resolutions": args.resolutions, "prompt": PROMPT}
+    res: dict = {"depth": args.depth, "steps": args.steps, "resolutions": args.resolutions, "prompt": PROMPT,
+                 "device": args.device, "dtype": args.dtype}
 
     t = time.perf_counter()
     ckpt = write_realwidth_checkpoint(d / f"ckpt-depth{args.depth}", args.depth)
@@ -195,8 +202,12 @@ def bench(args) -> dict:
         for p in (bundle, cache, inductor):
             shutil.rmtree(p, ignore_errors=True)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor))
-    build = [py, "-m", "qic.cli", "build", "--model", str(ckpt), "--output", str(bundle), "--cache-dir", str(cache),
-             "--text-buckets", str(BUCKET)]
+    # The dtypes go through a config file (qic build has no dtype flag); everything else as flags.
+    build_config = d / "build.yaml"
+    build_config.write_text(json.dumps({"dtype": {"text_encoder": args.dtype, "denoiser": args.dtype,
+                                                  "vae_decoder": "float32"}}) + "\n")
+    build = [py, "-m", "qic.cli", "build", str(build_config), "--model", str(ckpt), "--output", str(bundle),
+             "--cache-dir", str(cache), "--text-buckets", str(BUCKET), "--device", args.device]
     for r in args.resolutions:
         build += ["--resolution", f"{r}x{r}"]
     samples: list = []
@@ -213,7 +224,8 @@ def bench(args) -> dict:
                 str(args.steps), "--guidance", str(GUIDANCE), "--height", str(r), "--width", str(r),
                 "--output", str(png_q), "--verbose"]
         q_wall, q_peak, q_out = run_measured(qcmd)
-        dcmd = [py, "-m", "qic.bench.realwidth", "--diffusers-side", str(ckpt), str(r), str(args.steps), str(png_d)]
+        dcmd = [py, "-m", "qic.bench.realwidth", "--diffusers-side", str(ckpt), str(r), str(args.steps), str(png_d),
+                "--device", args.device, "--dtype", args.dtype]
         d_wall, d_peak, d_out = run_measured(dcmd)
         d_json = json.loads(next(x for x in d_out.splitlines() if x.startswith("DIFFUSERS "))[len("DIFFUSERS "):])
         mx, mean = pixel_diff(png_q, png_d)
@@ -237,7 +249,8 @@ def bench(args) -> dict:
 
 def table(res: dict) -> str:
     rate = res["matmul_gflops"]
-    rows = [f"real width, depth {res['depth']}, {res['steps']} steps, fp32; matmul 2048^3: {rate:.1f} GFLOP/s",
+    rows = [f"real width, depth {res['depth']}, {res['steps']} steps, {res.get('dtype', 'float32')} on "
+            f"{res.get('device', 'cpu')}; fp32 matmul 2048^3 on the CPU: {rate:.1f} GFLOP/s",
             "", "| measure | size | qic | diffusers | diffusers / qic |", "|---|---|--:|--:|--:|",
             f"| build (cold compile cache) | all | {res['build']['seconds']:.0f} s | | |",
             f"| build: peak RSS, process / with compile workers (sampled) | all | {res['build']['peak_rss'] / GiB:.2f}"
@@ -280,7 +293,8 @@ def plots(res: dict, img: Path) -> list[Path]:
     ax.set_xticks(range(len(sizes)), [f"{s}x{s}" for s in sizes])
     ax.set_xlabel("resolution (CFG batch 2, one text bucket of 128)")
     ax.set_ylabel("seconds per denoise step (median)")
-    ax.set_title(f"Step time, real width, depth {res['depth']}, fp32, 2-core CPU")
+    where = "2-core CPU" if res.get("device", "cpu") == "cpu" else res["device"]
+    ax.set_title(f"Step time, real width, depth {res['depth']}, {res.get('dtype', 'float32')}, {where}")
     ax.margins(y=0.12)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -330,12 +344,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", type=Path, default=Path("artifacts/realwidth"))
     ap.add_argument("--img", type=Path, default=REPO / "docs" / "img")
     ap.add_argument("--keep-cache", action="store_true", help="reuse the bundle and compile caches of a previous run")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="text encoder and denoiser dtype on both sides (qic's VAE stays fp32)")
     ap.add_argument("--plots-only", action="store_true")
     ap.add_argument("--diffusers-side", nargs=4, metavar=("CKPT", "SIZE", "STEPS", "PNG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.diffusers_side:
         ckpt, size, steps, png = args.diffusers_side
-        return diffusers_side(ckpt, int(size), int(steps), png)
+        return diffusers_side(ckpt, int(size), int(steps), png, args.device, args.dtype)
     args.resolutions = [int(r) for r in args.resolutions.split(",")]
     res = json.loads((args.dir / "results.json").read_text()) if args.plots_only else bench(args)
     print(table(res))
