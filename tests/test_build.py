@@ -68,9 +68,9 @@ def test_second_build_is_a_no_op(bundle, tiny_ckpt, cache_dir, monkeypatch):
     assert "(100% hits)" in proc.stdout and "bundle unchanged" in proc.stdout
     assert set(_rows(proc.stdout).values()) == {"cached"}
     assert {p: p.stat().st_mtime_ns for p in bundle.rglob("*") if p.is_file()} == before
+    # Printed, not bounded: a wall-clock bound fails on a loaded machine (4.9 s of 5 was seen here). What
+    # makes it a no-op is checked below: with tensor reads and exports made to fail, it needs neither.
     print(f"no-op build: {seconds:.2f}s (process start included)")
-    assert seconds < 5.0
-    # In process, with tensor reads and exports made to fail: the no-op build needs neither.
     import qic.build.compile as stage2
     import qic.build.shard as stage1
     from qic.build.pipeline import build
