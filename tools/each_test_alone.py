@@ -23,10 +23,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def node_ids(pytest_args: list[str]) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *pytest_args], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    return [line.strip() for line in out.splitlines() if "::" in line]
+COLLECT = """
+import json, sys, pytest
+class Fixtures:
+    def pytest_collection_finish(self, session):
+        self.items = [(i.nodeid, sorted(getattr(i, "fixturenames", []))) for i in session.items]
+plugin = Fixtures()
+code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[plugin])
+print("NODES " + json.dumps(plugin.items))
+"""
+
+
+def node_ids(pytest_args: list[str], cheap_first: bool) -> list[str]:
+    """The suite's node ids in collection order; cheap_first: those needing no built bundle (no fixture
+    named *bundle*) first, so that a sweep stopped early has covered the most tests."""
+    out = subprocess.run([sys.executable, "-c", COLLECT, *pytest_args], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    items = json.loads(next(x for x in out.splitlines() if x.startswith("NODES "))[len("NODES "):])
+    if cheap_first:
+        items.sort(key=lambda item: any("bundle" in f for f in item[1]))   # stable: keeps file order within
+    return [node for node, _ in items]
 
 
 def outcome(proc: subprocess.CompletedProcess) -> str:
@@ -40,13 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=ROOT / "artifacts" / "alone.jsonl")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per test")
+    ap.add_argument("--cheap-first", action="store_true", help="tests that need no built bundle first")
     args, pytest_args = ap.parse_known_args(argv)
     args.results.parent.mkdir(parents=True, exist_ok=True)
     done = {json.loads(line)["node"] for line in args.results.read_text().splitlines()} \
         if args.results.exists() else set()
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
         "TORCHINDUCTOR_CACHE_DIR", str(ROOT / "artifacts" / "alone-inductor-cache"))}
-    todo = [n for n in node_ids(pytest_args) if n not in done]
+    todo = [n for n in node_ids(pytest_args, args.cheap_first) if n not in done]
     print(f"{len(todo)} tests to run alone ({len(done)} already recorded in {args.results})", flush=True)
     for i, node in enumerate(todo, 1):
         t0 = time.monotonic()
