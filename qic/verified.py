@@ -7,6 +7,11 @@ restored, no longer matches its record and is hashed again. Records live outside
 may be read-only), one small file per record named by the hash of its contents, written atomically, so
 concurrent loads need no lock. Stdlib only: the runtime imports it.
 
+Records are swept as new ones are written: a record whose file is gone from where it was hashed, or no
+longer has the recorded identity, can never vouch for anything again (a changed file gets a new record),
+so each rebuild or edit would otherwise leave its old records behind forever. A bundle moved elsewhere
+loses its records this way too; that costs one more hash of its files.
+
 Where: $QIC_VERIFY_CACHE, else $XDG_CACHE_HOME/qic/verified, else ~/.cache/qic/verified.
 """
 
@@ -41,6 +46,7 @@ def identity(st: os.stat_result) -> list[int]:
 class VerificationCache:
     def __init__(self, directory: Path | None = None):
         self.directory = Path(directory) if directory else default_dir()
+        self._swept = False
 
     def _path(self, bundle_id: str, rel: str, sha256: str, st: os.stat_result) -> Path:
         body = json.dumps([bundle_id, rel, sha256, identity(st)]).encode()
@@ -57,6 +63,36 @@ class VerificationCache:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_bytes_atomic(self._path(bundle_id, rel, sha256, st), json.dumps(
                 {"bundle": bundle_id, "file": rel, "sha256": sha256, "identity": identity(st),
-                 "verified_at": time.time()}).encode())
+                 "path": str(Path(path).resolve()), "verified_at": time.time()}).encode())
         except OSError:
-            pass  # an unwritable cache only costs the next load a re-hash
+            return  # an unwritable cache only costs the next load a re-hash
+        if not self._swept:
+            # Once per cache object (one load): a record is written only after hashing a whole weight
+            # file, next to which listing a directory of small files costs nothing.
+            self._swept = True
+            self.sweep()
+
+    def sweep(self) -> int:
+        """Delete the records that can no longer match (see the module's docstring); returns how many."""
+        removed = 0
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return 0
+        for entry in entries:
+            if len(entry.name) != 64:  # a writer's temp file, or something that is not ours
+                continue
+            try:
+                rec = json.loads(Path(entry.path).read_bytes())
+                stale = "path" not in rec or identity(os.stat(rec["path"])) != rec["identity"]
+            except FileNotFoundError:
+                stale = True  # the weight file is gone (or the record was swept by a concurrent load)
+            except (OSError, ValueError, TypeError, KeyError):
+                stale = True  # unreadable or damaged: it cannot vouch for anything
+            if stale:
+                try:
+                    os.unlink(entry.path)
+                    removed += 1
+                except OSError:
+                    pass  # swept by a concurrent load already, or not ours to delete
+        return removed

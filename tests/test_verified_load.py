@@ -186,3 +186,30 @@ def test_a_file_changed_just_before_hashing_is_not_recorded(tmp_path):
     assert cache.has("id", "w", "sha", st)
     f.write_bytes(b"y" * 10)   # same size: the identity's ctime (and mtime) differ
     assert not cache.has("id", "w", "sha", f.stat())
+
+
+def test_records_that_can_no_longer_match_are_swept(tmp_path):
+    """Each edit or rebuild writes new records; the old ones, whose file changed or is gone, are swept
+    when the next record is written, and a record that still matches its file is kept."""
+    cache = VerificationCache(tmp_path / "verified")
+    kept, edited, gone = (tmp_path / f"{n}.safetensors" for n in ("kept", "edited", "gone"))
+    for f in (kept, edited, gone):
+        f.write_bytes(b"x" * 10)
+    began = time.time_ns() + 2 * RACY_NS   # hashing "began" well after the writes: not racy
+    for f in (kept, edited, gone):
+        cache.record("id", f.name, "sha", f, f.stat(), began)
+    (cache.directory / ".x.tmp").write_text("a concurrent writer's temp file")
+    assert len(list(cache.directory.iterdir())) == 4
+    edited.write_bytes(b"y" * 10)
+    gone.unlink()
+    assert cache.sweep() == 2
+    assert cache.has("id", kept.name, "sha", kept.stat())
+    assert sorted(p.name for p in cache.directory.iterdir() if len(p.name) != 64) == [".x.tmp"]
+    assert len([p for p in cache.directory.iterdir() if len(p.name) == 64]) == 1
+    # Writing a record sweeps once per cache object (one load), without being asked.
+    cache2 = VerificationCache(tmp_path / "verified")
+    edited_st = edited.stat()
+    kept.write_bytes(b"z" * 10)
+    cache2.record("id", edited.name, "sha2", edited, edited_st, time.time_ns() + 2 * RACY_NS)
+    assert cache2.has("id", edited.name, "sha2", edited_st)
+    assert len([p for p in cache.directory.iterdir() if len(p.name) == 64]) == 1
