@@ -18,6 +18,8 @@ from qic.errors import BundleError
 
 def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, world: int = 1, lnc: int = 1,
          outputs: list[dict] | None = None):
+    """`path`: the graph's file as its manifest names it (the HLO module); params.json and model.neff
+    sit beside it."""
     folder = Path(path).parent
     params = json.loads((folder / "params.json").read_text())["params"]
     if device == "xla-cpu":
@@ -27,7 +29,7 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
                               "rebuild with --tp 1 to run it here; TP graphs are checked on XLA:CPU devices by "
                               "`python -m qic.bench.xla_lowering tp N`")
         from qic.backends import xla_runtime
-        return xla_runtime.load(folder / "model.hlo_module.pb", params, weights)
+        return xla_runtime.load(Path(path), params, weights)
     if device != "neuron":
         raise BundleError(f"a neuron bundle runs on device neuron or xla-cpu, not {device!r}")
     neff = folder / "model.neff"

@@ -34,9 +34,11 @@ from qic.build.components import COMPONENTS
 from qic.build.graphs import TORCH_DTYPES
 from qic.models.common import GatherLinear, RowLinear, VocabEmbedding
 
-# Without records in the cache: about a minute per graph, what inductor took per graph for the embedded
-# presets on the 2-core development host (docs/benchmarks.md); real-width graphs take longer.
-DEFAULT_COMPILE_SECONDS = 60.0
+# Without records in the cache: what one looped graph took inductor on the 2-core development host, from
+# the compile records of its test and real-width caches: 10-26 s per graph (median about 20), whether the
+# graph is tiny or 3072 wide, since compile time follows the number of ops, not their sizes. Unrolled
+# graphs (looped: false) grow with depth; an earlier default of 60 s was about 3x high for looped ones.
+DEFAULT_COMPILE_SECONDS = 20.0
 # Without records: an AOTInductor package of one graph (weights are inputs, so it is code only).
 DEFAULT_ARTIFACT_BYTES = 4 << 20
 
