@@ -315,14 +315,25 @@ def test_bad_request_is_400_in_openai_shape(server, case):
 
 
 def test_health_models_and_access_log(server):
+    # Its own image request: run alone, no other test has made one on this server.
+    assert gen(server.port, seed=11)[0] == 200
     status, _, health = request(server.port, "GET", "/health")
     assert status == 200 and health["status"] == "ok"
     status, _, models = request(server.port, "GET", "/v1/models")
     assert status == 200 and models["data"][0]["id"] == health["model"]
     assert request(server.port, "GET", "/v1/nothing")[0] == 404
-    records = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
-    images = [r for r in records if r["path"] == "/v1/images/generations" and r["status"] == 200]
-    assert images and all(r["total_s"] >= r["run_s"] > 0 and r["queue_s"] >= 0 for r in images)
+    deadline = time.monotonic() + 10   # a request's line is written once its response has been sent
+    while True:
+        records = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+        images = [r for r in records if r["path"] == "/v1/images/generations" and r["status"] == 200]
+        logged = any(r.get("seed") == 11 for r in images) and {"/health", "/v1/models", "/v1/nothing"} <= {
+            r["path"] for r in records}
+        if logged or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert logged, records
+    assert all(r["total_s"] >= r["run_s"] > 0 and r["queue_s"] >= 0 for r in images)
+    assert [r["status"] for r in records if r["path"] == "/v1/nothing"][-1] == 404
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle, tmp_path):
