@@ -392,3 +392,53 @@ def test_serve_refusals_are_one_line(bundle):
         proc = qic("serve", bundle, "--port", taken.getsockname()[1], check=False)
     assert proc.returncode == 2 and "cannot listen on 127.0.0.1:" in proc.stderr, proc.stderr
 
+
+
+def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):
+    """Rank 0's torch work all runs on the runner's one thread (qic.serve.runner.compute_thread says why:
+    a second OpenMP team made each image 3.7x slower with 2 threads on 2 cores). Before, the bundle was
+    loaded and warmed on the main thread and the batches ran on the scheduler's own thread."""
+    import asyncio
+
+    from qic.runtime.generate import Request
+    from qic.serve import runner as runner_mod
+    from qic.serve.app import create_app
+
+    seen = {}
+    real_bundle, real_warm = runner_mod.Bundle, runner_mod.warm
+
+    def bundle_on(*a, **k):
+        seen["load"] = threading.get_ident()
+        return real_bundle(*a, **k)
+
+    def warm_on(b):
+        seen["warm"] = threading.get_ident()
+        return real_warm(b)
+
+    monkeypatch.setattr(runner_mod, "Bundle", bundle_on)
+    monkeypatch.setattr(runner_mod, "warm", warm_on)
+    compute = runner_mod.compute_thread()
+    b, loaded, warmed = runner_mod.load_and_warm(bundle, 0, 1, compute)
+    assert loaded > 0 and warmed > 0
+    runner = runner_mod.BundleRunner(b, None, executor=compute)
+    real_run = runner.run
+
+    def run_on(reqs):
+        seen["run"] = threading.get_ident()
+        return real_run(reqs)
+
+    runner.run = run_on
+    scheduler = create_app(runner).state.scheduler
+    req = Request("a red bicycle", steps=STEPS)
+
+    async def one_image():
+        scheduler.start()
+        try:
+            (job,) = scheduler.submit([(req, runner.plan(req))])
+            return await job.future
+        finally:
+            await scheduler.stop()
+
+    png = asyncio.run(one_image())
+    assert png.startswith(b"\x89PNG")
+    assert seen["load"] == seen["warm"] == seen["run"] != threading.get_ident(), seen

@@ -55,8 +55,9 @@ def error_response(e: ApiError) -> JSONResponse:
 
 def create_app(runner, settings: Settings = Settings()) -> FastAPI:
     """runner: .plan(GenRequest) -> batch key (raises QicError), .run(list) -> list of PNG bytes,
-    .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes."""
-    scheduler = Scheduler(runner.run, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch])
+    .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes; optionally .executor, the thread to run on."""
+    scheduler = Scheduler(runner.run, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch],
+                          getattr(runner, "executor", None))
 
     @asynccontextmanager
     async def lifespan(app):

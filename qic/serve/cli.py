@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 from qic.errors import ConfigError
@@ -57,14 +56,12 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
         # Binding before loading makes a taken port a one-line error rather than a wasted load.
         sock = _bind(host, port)
 
-    from qic.runtime.bundle import Bundle
-    from qic.serve.runner import BundleRunner, control_group, follow, warm
+    from qic.serve.runner import BundleRunner, compute_thread, control_group, follow, load_and_warm
 
-    t = time.perf_counter()
-    bundle = Bundle(bundle_path, rank=rank, world=world)
-    loaded = time.perf_counter() - t
-    warm(bundle)
-    warmed = time.perf_counter() - t - loaded
+    # Rank 0 answers HTTP on this thread, so its torch work all goes to one other thread (compute_thread
+    # says why); the other ranks have nothing else to do and run it here.
+    compute = compute_thread() if rank == 0 else None
+    bundle, loaded, warmed = load_and_warm(bundle_path, rank, world, compute)
     group = control_group(world)
     if rank > 0:
         follow(bundle, group)
@@ -76,7 +73,7 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
 
     _log_to_stderr()
     log = logging.getLogger("qic.serve")
-    runner = BundleRunner(bundle, group)
+    runner = BundleRunner(bundle, group, executor=compute)
     log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s, "
              f"warmed every graph in {warmed:.2f} s; batch sizes {list(runner.batch_sizes)} "
              f"(up to --max-batch {settings.max_batch})")

@@ -54,7 +54,10 @@ class Scheduler:
     run_batch(items) -> list of outputs, one per item, in order. An exception fails the whole group.
     """
 
-    def __init__(self, run_batch: Callable[[list], list], capacity: int, batch_sizes: Sequence[int] = (1,)):
+    def __init__(self, run_batch: Callable[[list], list], capacity: int, batch_sizes: Sequence[int] = (1,),
+                 executor: ThreadPoolExecutor | None = None):
+        """executor: the one-thread pool run_batch runs on (the runner's own, see qic.serve.runner;
+        default: a new one)."""
         self.run_batch = run_batch
         self.capacity = capacity
         self.batch_sizes = tuple(sorted({1, *batch_sizes}))
@@ -62,7 +65,7 @@ class Scheduler:
         self.running = 0                  # jobs in the batch now executing
         self.job_seconds = 1.0            # running mean of run time per job, for Retry-After
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="qic-runner")
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="qic-runner")
         self._task: asyncio.Task | None = None
 
     def submit(self, items: list[tuple[object, Hashable]]) -> list[Job]:

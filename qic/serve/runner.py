@@ -10,6 +10,8 @@ the same `generate_batch`, whose graphs all-reduce among them.
 from __future__ import annotations
 
 import datetime
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,6 +43,17 @@ def warm(bundle: Bundle) -> None:
                 torch.zeros(spec["shape"]) for spec in graph.inputs))
 
 
+def load_and_warm(path, rank: int, world: int, compute: ThreadPoolExecutor | None) -> tuple[Bundle, float, float]:
+    """The bundle loaded and warmed on `compute` (None: on this thread), and the seconds each took."""
+    def on_compute(fn, *args, **kwargs):
+        return compute.submit(fn, *args, **kwargs).result() if compute else fn(*args, **kwargs)
+    t = time.perf_counter()
+    bundle = on_compute(Bundle, path, rank=rank, world=world)
+    loaded = time.perf_counter() - t
+    on_compute(warm, bundle)
+    return bundle, loaded, time.perf_counter() - t - loaded
+
+
 def control_group(world: int):
     """A gloo group for passing batches from rank 0 (None at tp=1). Every rank calls it, in order."""
     if world == 1:
@@ -60,10 +73,23 @@ def follow(bundle: Bundle, group) -> None:
         generate_batch(bundle, box[0])
 
 
+def compute_thread() -> ThreadPoolExecutor:
+    """The one thread that does all of a serving rank's torch work: loading, warm-up and every batch.
+
+    Why one: GNU OpenMP (torch's CPU thread pool) gives each thread that enters a parallel region a team
+    of its own. Warm-up on the main thread and requests on a worker made two teams of
+    torch.get_num_threads() threads each; with more OpenMP threads than CPUs, libgomp stops spinning
+    between regions and sleeps instead, so every kernel paid a futex wake-up. Measured on the tiny bundle
+    with 2 threads on 2 cores: 196 ms per image on the worker after the main thread had run torch, 53 ms
+    on a thread that alone ran it (docs/benchmarks.md, "Serving")."""
+    return ThreadPoolExecutor(1, thread_name_prefix="qic-runner")
+
+
 class BundleRunner:
-    def __init__(self, bundle: Bundle, group=None):
+    def __init__(self, bundle: Bundle, group=None, executor: ThreadPoolExecutor | None = None):
         self.bundle = bundle
         self.group = group   # the control group when tensor-parallel
+        self.executor = executor   # the thread the bundle was loaded and warmed on; run() is called there
         # The served model is named after the bundle directory (what the operator chose to deploy).
         self.model_id = bundle.path.resolve().name
         self.created = int(bundle.path.joinpath("manifest.json").stat().st_mtime)
