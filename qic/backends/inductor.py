@@ -28,17 +28,17 @@ def passes_digest() -> str:
     return hashlib.sha256(PASSES_FILE.read_bytes()).hexdigest()[:16]
 
 
-def qic_passes(device: str) -> dict:
-    """qic's own passes for graphs on `device`, name -> source digest: the one place that decides which
-    graphs get them, read both by compile_options (which installs them) and by identity (which keys on them)."""
-    return {"unfuse_cpu_bias_addmm": passes_digest()} if device == "cpu" else {}
+def takes_qic_passes(device: str) -> bool:
+    """Whether graphs on `device` get qic's own passes (CPU graphs: why in inductor_passes.py). The one
+    place that decides, read by compile_options (which installs them) and identity (which keys on them)."""
+    return device == "cpu"
 
 
 def compile_options(device: str, passes: bool = True) -> dict:
     """The inductor configs qic compiles a graph with on `device` (passes=False: without qic's pass, for
     the before/after of qic.bench.step_profile)."""
     options = dict(INDUCTOR_CONFIGS)
-    if passes and "unfuse_cpu_bias_addmm" in qic_passes(device):
+    if passes and takes_qic_passes(device):
         from qic.backends.inductor_passes import UnfuseCpuBiasAddmm
         options["post_grad_custom_post_pass"] = UnfuseCpuBiasAddmm()
     return options
@@ -64,7 +64,7 @@ class InductorBackend(Backend):
         compiler (6 s) on every build, including no-op ones."""
         ident = {"backend": self.name, "torch": torch.__version__, "torch_git": torch.version.git_version,
                  "device": self.device, "configs": INDUCTOR_CONFIGS, "env": _compiler_env(),
-                 "passes": qic_passes(self.device),
+                 "passes": {"unfuse_cpu_bias_addmm": passes_digest()} if takes_qic_passes(self.device) else {},
                  "cxx": cxx_version(), "target": host_target(self.device)}
         if self.device == "cuda":
             ident["cuda"] = torch.version.cuda
