@@ -85,10 +85,10 @@ class VerificationCache:
             try:
                 rec = json.loads(Path(entry.path).read_bytes())
                 stale = "path" not in rec or identity(os.stat(rec["path"])) != rec["identity"]
-            except FileNotFoundError:
-                stale = True  # the weight file is gone (or the record was swept by a concurrent load)
             except (OSError, ValueError, TypeError, KeyError):
-                stale = True  # unreadable or damaged: it cannot vouch for anything
+                # The weight file is gone, or the record is unreadable or damaged (or was just swept by a
+                # concurrent load): it cannot vouch for anything.
+                stale = True
             if stale:
                 try:
                     os.unlink(entry.path)

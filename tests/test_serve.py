@@ -395,7 +395,7 @@ def test_serve_refusals_are_one_line(bundle):
 
 
 def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):
-    """Rank 0's torch work all runs on the runner's one thread (qic.serve.runner.compute_thread says why:
+    """Rank 0's torch work all runs on the runner's one thread (qic.serve.queue.compute_thread says why:
     a second OpenMP team made each image 3.7x slower with 2 threads on 2 cores). Before, the bundle was
     loaded and warmed on the main thread and the batches ran on the scheduler's own thread."""
     import asyncio
@@ -403,6 +403,7 @@ def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):
     from qic.runtime.generate import Request
     from qic.serve import runner as runner_mod
     from qic.serve.app import create_app
+    from qic.serve.queue import compute_thread
 
     seen = {}
     real_bundle, real_warm = runner_mod.Bundle, runner_mod.warm
@@ -417,7 +418,7 @@ def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):
 
     monkeypatch.setattr(runner_mod, "Bundle", bundle_on)
     monkeypatch.setattr(runner_mod, "warm", warm_on)
-    compute = runner_mod.compute_thread()
+    compute = compute_thread()
     b, loaded, warmed = runner_mod.load_and_warm(bundle, 0, 1, compute)
     assert loaded > 0 and warmed > 0
     runner = runner_mod.BundleRunner(b, None, executor=compute)

@@ -56,7 +56,8 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
         # Binding before loading makes a taken port a one-line error rather than a wasted load.
         sock = _bind(host, port)
 
-    from qic.serve.runner import BundleRunner, compute_thread, control_group, follow, load_and_warm
+    from qic.serve.queue import compute_thread
+    from qic.serve.runner import BundleRunner, control_group, follow, load_and_warm
 
     # Rank 0 answers HTTP on this thread, so its torch work all goes to one other thread (compute_thread
     # says why); the other ranks have nothing else to do and run it here.

@@ -48,6 +48,18 @@ def take_group(pending: list[Job], batch_sizes: Sequence[int]) -> list[Job]:
     return group
 
 
+def compute_thread() -> ThreadPoolExecutor:
+    """The one thread that does all of a serving rank's torch work: loading, warm-up and every batch.
+
+    Why one: GNU OpenMP (torch's CPU thread pool) gives each thread that enters a parallel region a team
+    of its own. Warm-up on the main thread and requests on a worker made two teams of
+    torch.get_num_threads() threads each; with more OpenMP threads than CPUs, libgomp stops spinning
+    between regions and sleeps instead, so every kernel paid a futex wake-up. Measured on the tiny bundle
+    with 2 threads on 2 cores: 196 ms per image on the worker after the main thread had run torch, 53 ms
+    on a thread that alone ran it (docs/benchmarks.md, "Serving")."""
+    return ThreadPoolExecutor(1, thread_name_prefix="qic-runner")
+
+
 class Scheduler:
     """Admits up to `capacity` waiting jobs and feeds them, grouped, to `run_batch` on one thread.
 
@@ -56,8 +68,8 @@ class Scheduler:
 
     def __init__(self, run_batch: Callable[[list], list], capacity: int, batch_sizes: Sequence[int] = (1,),
                  executor: ThreadPoolExecutor | None = None):
-        """executor: the one-thread pool run_batch runs on (the runner's own, see qic.serve.runner;
-        default: a new one)."""
+        """executor: the compute_thread run_batch runs on (the server passes the one it loaded and warmed
+        the bundle on; default: a new one)."""
         self.run_batch = run_batch
         self.capacity = capacity
         self.batch_sizes = tuple(sorted({1, *batch_sizes}))
@@ -65,7 +77,7 @@ class Scheduler:
         self.running = 0                  # jobs in the batch now executing
         self.job_seconds = 1.0            # running mean of run time per job, for Retry-After
         self._wake = asyncio.Event()
-        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="qic-runner")
+        self._executor = executor or compute_thread()
         self._task: asyncio.Task | None = None
 
     def submit(self, items: list[tuple[object, Hashable]]) -> list[Job]:

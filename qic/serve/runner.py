@@ -73,18 +73,6 @@ def follow(bundle: Bundle, group) -> None:
         generate_batch(bundle, box[0])
 
 
-def compute_thread() -> ThreadPoolExecutor:
-    """The one thread that does all of a serving rank's torch work: loading, warm-up and every batch.
-
-    Why one: GNU OpenMP (torch's CPU thread pool) gives each thread that enters a parallel region a team
-    of its own. Warm-up on the main thread and requests on a worker made two teams of
-    torch.get_num_threads() threads each; with more OpenMP threads than CPUs, libgomp stops spinning
-    between regions and sleeps instead, so every kernel paid a futex wake-up. Measured on the tiny bundle
-    with 2 threads on 2 cores: 196 ms per image on the worker after the main thread had run torch, 53 ms
-    on a thread that alone ran it (docs/benchmarks.md, "Serving")."""
-    return ThreadPoolExecutor(1, thread_name_prefix="qic-runner")
-
-
 class BundleRunner:
     def __init__(self, bundle: Bundle, group=None, executor: ThreadPoolExecutor | None = None):
         self.bundle = bundle
