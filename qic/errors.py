@@ -1,4 +1,6 @@
-"""The one error type users see: a readable line plus the fix, never a traceback."""
+"""The one error type users see: a readable line plus the fix, never a traceback; and warnings, one line each."""
+
+import sys
 
 
 class QicError(Exception):
@@ -27,3 +29,8 @@ class BundleError(QicError):
 
 class CompileError(QicError):
     """A compiler (e.g. neuronx-cc) refused a graph; the message carries its log's tail."""
+
+
+def warn(message: str) -> None:
+    """One line on stderr that a user should read but that stops nothing."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -12,28 +12,26 @@ from pathlib import Path
 
 import yaml
 
+from qic import backends
 from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
 from qic.host.schedule import check_overrides
 
-BACKENDS = ("inductor", "neuron")
-DEVICES = ("cpu", "cuda", "neuron")
+BACKENDS = backends.NAMES
 COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")   # qic.dtypes.TORCH_DTYPES, without importing torch
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
         "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes")
 DEFAULT_KEYS = ("steps", "guidance")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
 @dataclass(frozen=True)
 class BuildSpec:
     model: str | None = None                       # None: the embedded tiny checkpoint
-    backend: str = "inductor"
+    backend: str = backends.NAMES[0]
     device: str = "cpu"
     tp: int = 1
     dtype: tuple[tuple[str, str], ...] = tuple((c, "float32") for c in COMPONENTS)
@@ -80,9 +78,10 @@ class BuildSpec:
 
 
 def load_spec(config_path: str | Path | None = None, overrides: Mapping | None = None) -> BuildSpec:
-    """Parse a YAML build config (the embedded default when None) and apply flag overrides."""
-    path = Path(config_path) if config_path else DEFAULT_CONFIG
-    raw = read_yaml_mapping(path)
+    """Parse a YAML build config and apply flag overrides; with no config, BuildSpec()'s defaults (the
+    embedded tiny model, as configs/tiny.yaml spells out), so the default build needs no file."""
+    path = Path(config_path) if config_path else None
+    raw = read_yaml_mapping(path) if path else {}
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if "backend" in overrides and "device" not in overrides:
         raw.pop("device", None)  # the config's device belonged to its back end; use the new one's default
@@ -91,7 +90,7 @@ def load_spec(config_path: str | Path | None = None, overrides: Mapping | None =
         if flag in overrides and other not in overrides:
             raw.pop(other, None)
     merged = {**raw, **overrides}
-    return parse_spec(merged, source=str(path))
+    return parse_spec(merged, source=str(path) if path else "the default build")
 
 
 def read_yaml_mapping(path: Path) -> dict:
@@ -113,10 +112,11 @@ def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
         raise ConfigError(f"{source}: unknown key {unknown[0]!r}; allowed keys: {', '.join(KEYS)}")
     d = BuildSpec()
     backend = _choice(raw.get("backend", d.backend), BACKENDS, "backend", source)
-    device = _choice(raw.get("device", "neuron" if backend == "neuron" else d.device), DEVICES, "device", source)
-    if (backend == "neuron") != (device == "neuron"):
-        raise ConfigError(f"{source}: backend {backend!r} cannot target device {device!r} "
-                          "(inductor: cpu or cuda; neuron: neuron)")
+    device = _choice(raw.get("device", backends.info(backend).DEFAULT_DEVICE), backends.all_devices(), "device",
+                     source)
+    if device not in backends.info(backend).DEVICES:
+        targets = "; ".join(f"{n}: {' or '.join(backends.info(n).DEVICES)}" for n in BACKENDS)
+        raise ConfigError(f"{source}: backend {backend!r} cannot target device {device!r} ({targets})")
     tp = raw.get("tp", d.tp)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"{source}: tp must be a positive integer, got {tp!r}")

@@ -28,3 +28,8 @@ def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
                                 offset=info.start)
         out[name] = flat.view(info.shape)
     return out
+
+
+def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's tensors by name as its state dict names them: parameters, then buffers."""
+    return dict(module.named_parameters()) | dict(module.named_buffers())

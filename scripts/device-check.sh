@@ -22,5 +22,5 @@ print(f"cuda vs cpu image: max {d.max():.0f}/255, mean {d.mean() / 255:.5f} (exp
 PY
 # Real width, depth 8, bf16 (VAE fp32): qic's step time against diffusers eager on the same GPU, for
 # docs/benchmarks.md (plots into $out, not over the CPU plots in docs/img).
-/tmp/qic-venv/bin/python -m qic.bench.realwidth --device cuda --dtype bfloat16 --depth 8 --resolutions 1024 \
+/tmp/qic-venv/bin/python -m benchmarks.realwidth --device cuda --dtype bfloat16 --depth 8 --resolutions 1024 \
   --steps 4 --dir /tmp/realwidth-gpu --img "$out" | tee "$out/realwidth-gpu.txt"

@@ -28,7 +28,8 @@ def qic(*args, check=True, env=None, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run([*QIC, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **(env or {})}, **kw)
     if check and proc.returncode != 0:
-        raise AssertionError(f"qic {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(f"qic {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
     return proc
 
 

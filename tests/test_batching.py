@@ -32,7 +32,7 @@ MEAN = 0.01            # mean |diff| in levels: a few flipped roundings among 3*
 
 
 def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
-    from qic.build.pipeline import _graph_name, graph_shapes
+    from qic.builder.pipeline import _graph_name, graph_shapes
     for bad in ([0], "two", [1.5], [True], []):
         with pytest.raises(ConfigError, match="batch_sizes must be a list of positive integers"):
             parse_spec({"batch_sizes": bad})

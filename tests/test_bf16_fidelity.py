@@ -74,7 +74,7 @@ def test_bf16_denoiser_forward_is_as_accurate_as_diffusers(halved_ckpt):
     diffusers in fp32, at t = 1 (the first step, where the timestep embedding's angles are largest)."""
     from diffusers import QwenImageTransformer2DModel
 
-    from qic.build.eager import EagerModel
+    from qic.builder.eager import EagerModel
     from qic.models.mmdit import rope_tables
     from tests.helpers import rel_l2
     folder = str(halved_ckpt / "transformer")

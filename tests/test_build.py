@@ -44,7 +44,7 @@ def test_bundle_layout_and_inspect(bundle):
 
 def test_weight_shards_hold_the_checkpoint_tensors(bundle, tiny_ckpt):
     """Stage 1 output equals the checkpoint's tensors (renamed / sliced as the modules expect)."""
-    from qic.build.components import COMPONENTS
+    from qic.builder.components import COMPONENTS
     from qic.checkpoint.reader import Checkpoint
     ckpt = Checkpoint(tiny_ckpt)
     for name, comp in COMPONENTS.items():
@@ -71,9 +71,9 @@ def test_second_build_is_a_no_op(bundle, tiny_ckpt, cache_dir, monkeypatch):
     # Printed, not bounded: a wall-clock bound fails on a loaded machine (4.9 s of 5 was seen here). What
     # makes it a no-op is checked below: with tensor reads and exports made to fail, it needs neither.
     print(f"no-op build: {seconds:.2f}s (process start included)")
-    import qic.build.compile as stage2
-    import qic.build.shard as stage1
-    from qic.build.pipeline import build
+    import qic.builder.compile as stage2
+    import qic.builder.shard as stage1
+    from qic.builder.pipeline import build
     from qic.spec import load_spec
 
     def forbidden(*a, **k):
@@ -178,7 +178,7 @@ def test_sigkill_while_writing_the_bundle_then_rerun(bundle, tmp_path, tiny_ckpt
     args = ("--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
             "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)))
     # Killed while hashing the staged files (the manifest not yet written): no bundle, a temp dir beside it.
-    _build_killed_at("qic.build.bundle", "file_entry", "True", *args)
+    _build_killed_at("qic.builder.bundle", "file_entry", "True", *args)
     assert not out.exists() and list(tmp_path.glob(".tmp-b-*"))
     qic("build", *args)
     verify_files(out, read_manifest(out))

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qic import cli_doctor
-from qic.backends import neuron_loader
+from qic.backends.neuron import nrt as neuron_loader
+from qic.cli import doctor as cli_doctor
 
 FAKES = Path(__file__).resolve().parent / "fakes"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from qic.build.eager import EagerModel
+from qic.builder.eager import EagerModel
 from qic.runtime.generate import Request, generate
 from tests.conftest import diffusers_image, image_diff
 

@@ -34,7 +34,7 @@ def test_file_lock_excludes_another_process(tmp_path):
 _DAMAGE = """
 import sys
 from pathlib import Path
-from qic.build.shard import _intact
+from qic.builder.shard import _intact
 assert _intact(Path(sys.argv[1]), 1) is None
 """
 

@@ -1,4 +1,4 @@
-"""qic's post-grad pass for CPU graphs (qic/backends/inductor_passes.py): what it rewrites, what it leaves,
+"""qic's post-grad pass for CPU graphs (qic/backends/inductor/passes.py): what it rewrites, what it leaves,
 that the arithmetic stays eager's, and that it is part of every CPU artifact's key. No compiling here:
 the pass runs on a traced aten graph; tests/test_run.py's diffusers parity covers the compiled bundles."""
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from qic.backends.inductor import PASSES_FILE, InductorBackend
-from qic.backends.inductor_passes import UnfuseCpuBiasAddmm
+from qic.backends.inductor.build import PASSES_FILE, InductorBackend
+from qic.backends.inductor.passes import UnfuseCpuBiasAddmm
 
 aten = torch.ops.aten
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qic.build.compile import WeightsAsInputs
-from qic.build.graphs import denoiser_graph
+from qic.builder.compile import WeightsAsInputs
+from qic.builder.graphs import denoiser_graph
 from qic.checkpoint.presets import preset
 from qic.errors import CheckpointError
 from qic.models.common import RowLinear, load_weights
@@ -251,8 +251,9 @@ def test_export_looped_step_graph():
 def test_aot_compiled_looped_text_encoder(tmp_path):
     """The one compile of this file: export -> InductorBackend.compile (asserts no baked constant) -> the
     runtime loader with weights as trailing inputs."""
-    from qic.backends.inductor import InductorBackend
     from qic.backends.loaders import load_graph
+
+    from qic.backends.inductor.build import InductorBackend
 
     ref, looped, config = _encoder_pair("tiny")
     names = [n for n, _ in looped.named_parameters()]

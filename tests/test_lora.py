@@ -109,7 +109,7 @@ def _diffusers_image(pipe, lora=None):
 def _build(ckpt, cache_dir, out, **extra) -> dict:
     """In process (no interpreter start per build), at the session bundle's shapes (one of its buckets), so
     every graph is in the compile cache. Returns the build table: "stage item" -> "cached" | "built"."""
-    from qic.build.pipeline import build
+    from qic.builder.pipeline import build
     from qic.spec import load_spec
     report = build(load_spec(None, {"model": str(ckpt), "cache_dir": str(cache_dir), "output": str(out),
                                     "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": BUCKETS[0],
@@ -148,7 +148,7 @@ def test_lora_with_an_unknown_key_is_refused_naming_it(loras, tiny_ckpt, tmp_pat
     assert first.startswith("error: ") and "'transformer_blocks.0.attn.to_qq.lora_A.weight'" in first, proc.stderr
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("shards/*"))  # nothing written
     # Other faults name their key too: a shape that does not fit, a text-encoder key, an unknown suffix.
-    from qic.build.lora import load_lora
+    from qic.builder.lora import load_lora
     from qic.checkpoint.reader import Checkpoint
     weights = Checkpoint(tiny_ckpt).weights("transformer").tensors
     for key, value, expect in (("img_in.lora_B.weight", torch.zeros(127, RANK), "'img_in.lora_B.weight'"),
@@ -165,7 +165,7 @@ def test_second_checkpoint_of_the_same_architecture_compiles_nothing(bundle, tin
     Qwen-Image): new shards, no graph exported or compiled; and `--weights` runs one bundle's graphs with
     the other's weights."""
     other = _finetune(tiny_ckpt, workdir / "ckpt-tiny-finetune")
-    import qic.build.compile as stage2
+    import qic.builder.compile as stage2
 
     def forbidden(*a, **k):
         raise AssertionError("a build of the same architecture exported a graph")

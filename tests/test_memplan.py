@@ -1,4 +1,4 @@
-"""`qic plan`: the memory / disk / compile plan from configs alone (qic.build.memplan, qic.cli_plan)."""
+"""`qic plan`: the memory / disk / compile plan from configs alone (qic.builder.memplan, qic.cli.plan)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from qic.bench.peak import measure
-from qic.build.components import COMPONENTS
-from qic.build.memplan import DEFAULT_COMPILE_SECONDS, estimate_graph, plan_memory, weight_bytes
-from qic.build.source import resolve_configs
+from benchmarks.peak import measure
+from qic.builder.components import COMPONENTS
+from qic.builder.memplan import DEFAULT_COMPILE_SECONDS, estimate_graph, plan_memory, weight_bytes
+from qic.builder.source import resolve_configs
 from qic.checkpoint.presets import preset
 from qic.cli import main
 from qic.spec import parse_spec
@@ -73,7 +73,7 @@ MEASURED = {
 @pytest.mark.parametrize("name", sorted(MEASURED))
 def test_estimates_within_25_percent_of_measured_peaks(name):
     """Estimated peak (weights + inputs + live activations on fake tensors) against the resident-set growth
-    of a process running the graph eagerly with real weights (qic.bench.peak). The bound can fail: the
+    of a process running the graph eagerly with real weights (benchmarks.peak). The bound can fail: the
     estimate for a smaller resolution, set against the same measurement, falls far outside it."""
     raw = preset(name)
     configs = {n: c.parse_config(raw[c.folder]) for n, c in COMPONENTS.items()}
@@ -110,7 +110,7 @@ def test_compile_estimate_from_cache_records(tmp_path):
     assert by["denoiser"].compile_seconds == 20.0 and by["denoiser"].artifact_bytes == 2000
     assert by["text_encoder"].compile_seconds == DEFAULT_COMPILE_SECONDS and not by["text_encoder"].cached
     # Memoise the text encoder's graph as a build would (spec key -> graph key -> meta.json).
-    from qic.build.memplan import _spec_keys
+    from qic.builder.memplan import _spec_keys
     skey = _spec_keys(spec, raw)["text_encoder@L128"]
     (tmp_path / "index").mkdir()
     (tmp_path / "index" / skey).write_text("fake0")
@@ -122,7 +122,7 @@ def test_compile_estimate_from_cache_records(tmp_path):
 def test_build_prints_the_plan_before_any_work(tmp_path):
     """`qic build` computes the plan once the spec is validated, before stage 1 (stopped here, so nothing
     is compiled)."""
-    from qic.build.pipeline import build
+    from qic.builder.pipeline import build
 
     class Stop(Exception):
         pass

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from qic.backends import neuron_cc
-from qic.backends.neuron_cc import CompileJob, compile_many, compile_neff, component_flags
+from qic.backends.neuron import cc as neuron_cc
+from qic.backends.neuron.cc import CompileJob, compile_many, compile_neff, component_flags
 from qic.errors import CompileError, ConfigError
 
 FAKES = Path(__file__).resolve().parent / "fakes"

@@ -96,7 +96,7 @@ g = next(g for k, g in b.graphs.items() if k[0] == "denoiser")
 x = [torch.full(i["shape"], 0.25).to(getattr(torch, i["dtype"])) for i in g.inputs]
 out = g(*x)[0].flatten()[:3].tolist()
 forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch_xla", "torch_neuronx", "diffusers")
-                   or m.startswith(("qic.models", "qic.build", "torch._inductor")))
+                   or m.startswith(("qic.models", "qic.builder", "torch._inductor")))
 print(json.dumps({"out": out, "forbidden": forbidden}))
 """
 

@@ -29,7 +29,7 @@ F32, I64 = 0xA, 0xC     # nrt dtype codes (current nrt.h)
 DRIVER = r"""
 import json, os, sys, multiprocessing as mp
 import torch
-from qic.backends import neuron_loader
+from qic.backends.neuron import nrt as neuron_loader
 from qic.weights import mmap_safetensors
 
 def rank_main(neff, shard, rank, world, log, out):
@@ -47,7 +47,7 @@ def rank_main(neff, shard, rank, world, log, out):
             error = f"{type(e).__name__}: {e}"
     neuron_loader.shutdown()
     bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch_xla", "torch_neuronx")
-                 or m.startswith(("qic.models", "qic.build")))
+                 or m.startswith(("qic.models", "qic.builder")))
     with open(out, "w") as f:
         json.dump({"outs": [[o.tolist() for o in r] for r in outs], "dtypes": [str(o.dtype) for o in outs[0]],
                    "forbidden": bad, "error": error}, f)
@@ -144,7 +144,7 @@ def test_fake_libnrt_per_rank_weights_tp4(ranks):
 
 
 def test_missing_libnrt_is_one_line(monkeypatch, tmp_path):
-    from qic.backends import neuron_loader
+    from qic.backends.neuron import nrt as neuron_loader
     monkeypatch.setenv("QIC_LIBNRT", str(tmp_path / "nope.so"))
     with pytest.raises(BundleError) as e:
         neuron_loader.load(fake_neff(tmp_path / "model.neff"), [], "neuron")

@@ -20,7 +20,7 @@ from PIL import Image
 from tests.conftest import BUCKETS, ROOT, SHORT_PROMPT, TINY_RES, image_diff, qic
 
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
-XLA_CPU_REL_L2 = 1e-5   # qic.backends.neuron.XLA_CPU_REL_L2 (fp32, a few ulps per reduction; see there)
+XLA_CPU_REL_L2 = 1e-5   # qic.backends.neuron.build.XLA_CPU_REL_L2 (fp32, a few ulps per reduction; see there)
 
 
 def xla(*args, env=None, check=True, timeout=900) -> subprocess.CompletedProcess:
@@ -122,7 +122,7 @@ def test_rebuild_lowers_nothing(neuron_bundle, workdir, tiny_ckpt):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_hlo_has_explicit_all_reduces_and_equals_tp1_on_as_many_devices(tp):
-    proc = xla("-m", "qic.bench.xla_lowering", "tp", tp, env={"CPU_NUM_DEVICES": str(tp)})
+    proc = xla("-m", "benchmarks.xla_lowering", "tp", tp, env={"CPU_NUM_DEVICES": str(tp)})
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for component, r in result.items():
         print(component, r)
@@ -139,12 +139,12 @@ def test_tp_hlo_has_explicit_all_reduces_and_equals_tp1_on_as_many_devices(tp):
 
 
 def test_looped_hlo_is_depth_independent_and_real_configs_lower_below_2gb():
-    depth = json.loads(xla("-m", "qic.bench.xla_lowering", "depth-sizes").stdout.strip().splitlines()[-1])
+    depth = json.loads(xla("-m", "benchmarks.xla_lowering", "depth-sizes").stdout.strip().splitlines()[-1])
     small, deep = depth["looped"]["4"]["hlo_bytes"], depth["looped"]["60"]["hlo_bytes"]
     print("looped HLO bytes at 4 and 60 blocks:", small, deep)
     assert deep <= 1.05 * small
     assert depth["unrolled"]["60"]["hlo_bytes"] > 5 * depth["unrolled"]["4"]["hlo_bytes"]   # the check can fail
-    real = json.loads(xla("-m", "qic.bench.xla_lowering", "real", "1024x1024").stdout.strip().splitlines()[-1])
+    real = json.loads(xla("-m", "benchmarks.xla_lowering", "real", "1024x1024").stdout.strip().splitlines()[-1])
     for name, r in real.items():
         print(name, r)
         assert r["hlo_bytes"] < 50e6   # the protobuf limit is 2 GB; weights are parameters, never inside
@@ -153,8 +153,8 @@ def test_looped_hlo_is_depth_independent_and_real_configs_lower_below_2gb():
 
 def test_hlo_names_entry_tensors_for_the_neff(neuron_bundle):
     """Parameters named input<i> in order, the root's outputs output<j>: the names the NEFF runner binds by
-    (qic.backends.neuron_loader); read back with qic's own proto reader, no XLA needed."""
-    from qic.backends import hlo_proto
+    (qic.backends.neuron.nrt); read back with qic's own proto reader, no XLA needed."""
+    from qic.backends.neuron import hlo_proto
     bundle, _ = neuron_bundle
     m = _manifest(bundle)
     for g in m["graphs"]:
@@ -173,7 +173,7 @@ def test_hlo_names_entry_tensors_for_the_neff(neuron_bundle):
 def test_xla_cpu_check_bound_can_fail():
     """The build's check (rel-L2 <= 1e-5 against eager) passes with the right inputs and fails when the
     padding mask is dropped or one block's MLP output weights are zeroed."""
-    r = json.loads(xla("-m", "qic.bench.xla_lowering", "sensitivity").stdout.strip().splitlines()[-1])
+    r = json.loads(xla("-m", "benchmarks.xla_lowering", "sensitivity").stdout.strip().splitlines()[-1])
     print(r)
     assert r["right"] <= XLA_CPU_REL_L2
     assert r["mask_dropped"] > 100 * XLA_CPU_REL_L2 and r["block_zeroed"] > 100 * XLA_CPU_REL_L2
@@ -181,7 +181,7 @@ def test_xla_cpu_check_bound_can_fail():
 
 def test_bf16_graphs_are_checked_against_fp32(workdir, tiny_ckpt):
     """A bf16 build: XLA and eager round differently, so each is compared with fp32 and XLA's error may be
-    at most twice eager's own (qic.backends.neuron.NeuronBackend.check); the figures are recorded."""
+    at most twice eager's own (qic.backends.neuron.build.NeuronBackend.check); the figures are recorded."""
     config = workdir / "neuron-bf16.yaml"
     config.write_text(json.dumps({"backend": "neuron", "model": str(tiny_ckpt),
                                   "dtype": {"text_encoder": "bfloat16", "denoiser": "bfloat16"},

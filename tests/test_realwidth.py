@@ -1,4 +1,4 @@
-"""The real-width benchmark's checkpoint (qic.bench.realwidth): what its writer draws, for the real configs at
+"""The real-width benchmark's checkpoint (benchmarks.realwidth): what its writer draws, for the real configs at
 reduced depth, is exactly what qic's components load. Shapes only: the writer's tensors are drawn on the
 meta device (no memory), then converted the way stage 1 converts them."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qic.bench.realwidth import CONFIGS, reduced_configs
-from qic.build.components import COMPONENTS, expected_tensors
+from benchmarks.realwidth import CONFIGS, reduced_configs
+from qic.builder.components import COMPONENTS, expected_tensors
 from qic.checkpoint import embedded
 
 

@@ -30,11 +30,11 @@ def test_runtime_imports_no_model_or_compiler_code(bundle, tmp_path):
     # (torch.export is absent from the list: `import torch` itself imports it.)
     code = f"""
 import sys
-from qic.runtime.cli import run_cli
+from qic.cli.run import run_cli
 run_cli({str(bundle)!r}, {{"prompt": "a cat", "steps": 2, "output": {str(tmp_path / 'x.png')!r}}})
-bad = sorted(m for m in sys.modules if m.startswith(("qic.models", "qic.build", "qic.backends.inductor",
-             "qic.backends.neuron", "torch._inductor", "torch._dynamo", "diffusers", "transformers"))
-             and m != "qic.backends.inductor_loader")
+bad = sorted(m for m in sys.modules if m.startswith(("qic.models", "qic.builder", "qic.backends.inductor.build",
+             "qic.backends.neuron.build", "torch._inductor", "torch._dynamo", "diffusers", "transformers"))
+             and m != "qic.backends.inductor.load")
 print("BAD", bad)
 print("QIC", " ".join(m for m in sys.modules if m.startswith("qic.")))
 """
@@ -174,7 +174,7 @@ def test_tampered_file_is_refused_before_any_code_loads(bundle, tmp_path, target
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     _run_fails(b, "--prompt", "x", expect="does not match its sha256")
-    import qic.backends.inductor_loader as loader
+    import qic.backends.inductor.load as loader
 
     def never(*a, **k):
         raise AssertionError("compiled code was loaded from a tampered bundle")

@@ -375,9 +375,9 @@ def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, t
 def test_server_imports_no_model_or_compiler_code():
     code = """
 import sys
-import qic.serve.app, qic.serve.cli, qic.serve.runner
-print(sorted(m for m in sys.modules if m.startswith(("qic.models", "qic.build", "qic.backends.inductor",
-      "qic.backends.neuron", "torch._inductor", "torch._dynamo")) and m != "qic.backends.inductor_loader"))
+import qic.serve.app, qic.cli.serve, qic.serve.runner
+print(sorted(m for m in sys.modules if m.startswith(("qic.models", "qic.builder", "qic.backends.inductor.build",
+      "qic.backends.neuron.build", "torch._inductor", "torch._dynamo")) and m != "qic.backends.inductor.load"))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout

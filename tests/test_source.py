@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from qic.build.source import resolve_model
+from qic.builder.source import resolve_model
 from qic.errors import CheckpointError
 
 

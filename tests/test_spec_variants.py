@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from qic.errors import ConfigError
@@ -89,7 +91,7 @@ def test_lightning_recipe_schedule_matches_diffusers(steps):
 
     from qic.checkpoint.presets import QWEN_IMAGE_SCHEDULER
     from qic.host.schedule import flow_match_schedule, merge_scheduler
-    from qic.spec import CONFIG_DIR
+    CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
     from tests.test_host import diffusers_schedule
 
     spec = load_spec(CONFIG_DIR / "lightning.yaml")

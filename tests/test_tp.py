@@ -2,7 +2,7 @@
 
 A checkpoint whose heads divide by 4 (the 'tiny' preset with a text encoder of 8 query / 4 key-value
 heads; the denoiser keeps 'tiny''s 4 heads), weights re-drawn with sensitize_ on the TP=1 modules and
-written in the diffusers layout, so stage 1 (qic.build.shard) shards it as it would a real checkpoint.
+written in the diffusers layout, so stage 1 (qic.builder.shard) shards it as it would a real checkpoint.
 Ranks run on the stage-1 files; their outputs are compared with the TP=1 module, and deliberately
 broken variants (text stream not sharded, reductions skipped) must fail the same comparison.
 """
@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from qic.build import plans
-from qic.build.components import COMPONENTS
-from qic.build.shard import shard_component
+from qic.builder.components import COMPONENTS
+from qic.builder.shard import shard_component
 from qic.checkpoint.presets import preset
 from qic.checkpoint.reader import Checkpoint
 from qic.errors import ConfigError
 from qic.models.mmdit import MMDiTConfig, QwenMMDiT, rope_tables
 from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig
 from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig
+from qic.parallel import plans
 from qic.parallel import tp as T
 from tests.helpers import rel_l2, sensitize_
 
@@ -240,10 +240,11 @@ def _rank_compiled(rank: int, tp: int, files: dict, workdir: str) -> dict:
     """Rank 0 exports and compiles the TP text-encoder graph once (qic's stage 2 path); every rank then
     runs that one package with its own shard as weight inputs. Rank 1 meanwhile exports its own graph
     only to compare graph keys. Then rank 1 dies and rank 0 calls the package again: it must fail."""
-    from qic.backends.inductor import InductorBackend
-    from qic.backends.inductor_loader import load
-    from qic.build.compile import WeightsAsInputs, compile_graph, graph_key
-    from qic.build.graphs import text_encoder_graph
+    from qic.backends.inductor.build import InductorBackend
+    from qic.backends.inductor.load import load
+    from qic.builder.compile import compile_graph, graph_key_from
+    from qic.builder.graphs import text_encoder_graph
+    from qic.weights import named_tensors
 
     work = Path(workdir)
     done = work / "compiled.json"
@@ -268,10 +269,8 @@ def _rank_compiled(rank: int, tp: int, files: dict, workdir: str) -> dict:
         done.write_text(json.dumps({"pt2": str(pt2), "weight_inputs": art.meta["weight_inputs"],
                                     "graph_key": art.graph_key}))
     else:
-        names = [*dict(m.named_parameters()), *dict(m.named_buffers())]  # as compile_graph: buffers too
-        with torch.no_grad():
-            program = torch.export.export(WeightsAsInputs(m, names), ((ids, mask), [shard[n] for n in names]))
-        info["graph_key"] = graph_key(program, gdef, {}, backend.identity())
+        traced = backend.trace(gdef, named_tensors(gdef.module))  # as compile_graph traces it
+        info["graph_key"] = graph_key_from(traced.digest, gdef, {}, backend.identity())
         deadline = time.monotonic() + 400
         while not done.exists():
             if time.monotonic() > deadline:
@@ -608,7 +607,7 @@ def test_tp4_final_image_equals_tp1(tp_ckpt, workdir, cache_dir, tmp_path):
     """A config whose heads divide by 4: TP=4 bundle image vs the TP=1 image (eager reference)."""
     from PIL import Image
 
-    from qic.build.eager import EagerModel
+    from qic.builder.eager import EagerModel
     from qic.runtime.generate import Request, generate
     from tests.conftest import SHORT_PROMPT, TINY_RES, image_diff, qic
     out = workdir / "bundle-tp4"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qic.build.eager import EagerModel
+from qic.builder.eager import EagerModel
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from tests.conftest import BUCKETS, TINY_RES, image_diff, qic

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from qic.cli import main
-from qic.cli_inspect import run_inspect
+from qic.cli.inspect import run_inspect
 from qic.errors import BundleError
 from qic.manifest import MANIFEST, file_entry, finalize
 from qic.runtime.bundle import Bundle

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from qic.build import store
+from qic.cache import signing, store
 from qic.errors import BundleError
 from qic.manifest import MANIFEST, finalize
 from tests.conftest import QIC, ROOT, qic
@@ -62,7 +62,7 @@ def alt_configs(tmp_path_factory, tiny_alt_ckpt) -> Path:
 def warmed(tmp_path_factory, alt_configs, tiny_alt_ckpt):
     """Two signed warms (--shard 1/2, 2/2) and a build of the full checkpoint, at once, on one store."""
     d = tmp_path_factory.mktemp("warm")
-    key, (pub_path, pub) = d / "signing.pem", store.keygen(d / "signing.pem")
+    key, (pub_path, pub) = d / "signing.pem", signing.keygen(d / "signing.pem")
     matrix = d / "matrix.yaml"
     matrix.write_text(f"model: [{json.dumps(str(alt_configs))}]\ncomponents: [vae_decoder]\n"
                       f"resolutions: {json.dumps(list(RES))}\ntext_buckets: [128]\n")
@@ -151,7 +151,7 @@ def _entry_copy(warmed, tmp_path) -> tuple[Path, str, dict]:
     (lambda m, d: (d / store.DONE).unlink(), "incomplete"),
 ])
 def test_entries_for_another_toolchain_or_damaged_are_ignored_with_a_warning(warmed, tmp_path, capsys, edit, reason):
-    from qic.backends.inductor import InductorBackend
+    from qic.backends.inductor.build import InductorBackend
     cache, gkey, meta = _entry_copy(warmed, tmp_path)
     d = cache / "graphs" / gkey
     identity = InductorBackend("cpu").identity()
@@ -166,7 +166,7 @@ def test_entries_for_another_toolchain_or_damaged_are_ignored_with_a_warning(war
 
 def test_bundle_for_an_instruction_set_this_cpu_lacks_is_refused_before_loading(warmed, tmp_path, monkeypatch):
     import qic.runtime.bundle as rb
-    from qic import target as qic_target
+    from qic.backends.inductor import target as qic_target
     bundle = tmp_path / "bundle"
     shutil.copytree(warmed.dir / "b0", bundle)
     rb.Bundle(bundle)                                             # this machine can run what it compiled
@@ -190,7 +190,7 @@ def test_bundle_for_an_instruction_set_this_cpu_lacks_is_refused_before_loading(
 
 
 def test_cuda_graphs_need_the_recorded_compute_capability():
-    from qic.target import host_target, target_mismatch
+    from qic.backends.inductor.target import host_target, target_mismatch
     target = {**host_target("cpu"), "capability": [9, 0]}
     import torch
     if torch.cuda.is_available():
@@ -224,8 +224,8 @@ def test_cache_ls_verify_prune(warmed, tmp_path):
     ("other-key", "it is not signed by a configured public key"),
 ])
 def test_remote_entries_need_a_good_signature(warmed, tmp_path, capsys, tamper, reason):
-    from qic.backends.inductor import InductorBackend
-    from qic.build.remote import open_remote
+    from qic.backends.inductor.build import InductorBackend
+    from qic.cache.remote import open_remote
     remote_dir, gkey, meta = _entry_copy(warmed, tmp_path)
     sig_path = remote_dir / "graphs" / gkey / store.SIGNATURE
     keys = [warmed.pub]
@@ -236,7 +236,7 @@ def test_remote_entries_need_a_good_signature(warmed, tmp_path, capsys, tamper, 
         sig["signature"] = ("0" if sig["signature"][0] != "0" else "1") + sig["signature"][1:]
         sig_path.write_text(json.dumps(sig))
     elif tamper == "other-key":
-        keys = [store.keygen(tmp_path / "other.pem")[1]]
+        keys = [signing.keygen(tmp_path / "other.pem")[1]]
     local = tmp_path / "local"
     got = open_remote(str(remote_dir), keys).fetch(gkey, local, InductorBackend("cpu").identity())
     if reason is None:
@@ -261,7 +261,7 @@ def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(
     meta = json.loads((local / "graphs" / gkey / store.META).read_text())
     meta["backend"]["torch"] = "2.12.0"
     store.write_json_atomic(local / "graphs" / gkey / store.META, meta)
-    stranger = store.keygen(tmp_path / "stranger.pem")[1]
+    stranger = signing.keygen(tmp_path / "stranger.pem")[1]
     refused = _build(tiny_alt_ckpt, local, tmp_path / "bb", "--cache-from", warmed.cache,
                      "--cache-public-key", stranger, res=RES[:1])
     assert f"cache entry {local / 'graphs' / gkey}: recorded for another toolchain or machine (torch 2.12.0" \
@@ -335,7 +335,7 @@ def test_actionlint_catches_a_broken_workflow(tmp_path):
 
 
 def test_warm_matrices_expand():
-    from qic.build.warm import expand_matrix
+    from qic.builder.warm import expand_matrix
     specs = {p.name: expand_matrix(p) for p in (ROOT / "configs" / "warm").glob("*.yaml")}
     assert len(specs["tiny.yaml"]) == 4 and {s.tp for s in specs["tiny.yaml"]} == {1, 2}
     assert {s.model for s in specs["qwen-image.yaml"]} == {"Qwen/Qwen-Image"}
@@ -380,7 +380,7 @@ def test_hub_store_push_and_pull_against_a_stand_in_server_with_a_412_and_a_500(
     # The re-keyed entry's meta no longer matches its signature.
     assert "pulled 2 entries" in pulled.stdout and "1 refused" in pulled.stdout
     assert "its signature does not verify" in pulled.stderr
-    stranger = store.keygen(tmp_path / "stranger.pem")[1]
+    stranger = signing.keygen(tmp_path / "stranger.pem")[1]
     refused = qic("cache", "pull", url, tmp_path / "local2", "--public-key", stranger, env=env)
     assert "pulled 0 entries" in refused.stdout
     assert refused.stderr.count("refused: it is not signed by a configured public key") == 3

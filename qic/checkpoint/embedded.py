@@ -13,7 +13,7 @@
     .qic-embedded.json   (marker: preset, seed, generator version, file sizes; written last)
 
 `write_checkpoint_from_configs(out_dir, configs, label)` writes the same for other component configs (the
-real-width benchmark's: the real Qwen-Image configs at reduced depth, qic.bench.realwidth).
+real-width benchmark's: the real Qwen-Image configs at reduced depth, benchmarks.realwidth).
 
 Only qic code, torch, safetensors and tokenizers are used (diffusers/transformers are test-only).
 

@@ -15,7 +15,7 @@ from qic.checkpoint.safetensors_file import Header, TensorInfo, read_header, rea
 from qic.errors import CheckpointError
 from qic.manifest import sha256_file
 
-COMPONENTS = ("text_encoder", "transformer", "vae")
+FOLDERS = ("text_encoder", "transformer", "vae")   # the checkpoint folders qic compiles from
 
 
 def read_json(path: Path) -> dict:
@@ -110,7 +110,7 @@ class Checkpoint:
     def tokenizer_dir(self) -> Path:
         return self.root / "tokenizer"
 
-    def digest(self, components: Iterable[str] = COMPONENTS, full: bool = False) -> str:
+    def digest(self, components: Iterable[str] = FOLDERS, full: bool = False) -> str:
         """A cheap identity of the checkpoint: configs, headers, sizes, plus per-file content identity.
 
         Headers and sizes alone cannot tell Qwen-Image from Qwen-Image-2512 (same layout, same offsets),

@@ -64,7 +64,8 @@ def merge_scheduler(checkpoint_config: Mapping, overrides: Mapping) -> dict:
 def check_scheduler_config(config: Mapping) -> None:
     for key in _UNSUPPORTED_TRUE:
         if config.get(key):
-            raise ConfigError(f"scheduler config sets {key}=true; qic implements the plain flow-match Euler schedule only")
+            raise ConfigError(f"scheduler config sets {key}=true; qic implements the plain flow-match Euler "
+                              "schedule only")
     shift_type = config.get("time_shift_type", "exponential")
     if shift_type not in ("exponential", "linear"):
         raise ConfigError(f"scheduler config has time_shift_type={shift_type!r}; expected 'exponential' or 'linear'")

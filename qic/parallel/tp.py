@@ -1,6 +1,6 @@
 """Tensor-parallel execution: the all_reduce and all_gather hooks, per-rank state dicts, process groups.
 
-Plans (the tables live in `qic.build.plans`, not here):
+Plans (the tables live in `qic.parallel.plans`, not here):
 - text encoder: q/k/v column-parallel by heads (GQA: query and key/value heads both divide by TP, so
   TP may not exceed the key/value heads; the module refuses larger TP with a ConfigError naming the
   counts), o_proj row-parallel + all_reduce; gate/up column-parallel, down_proj row-parallel + all_reduce;
@@ -32,9 +32,9 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from qic.build import plans
 from qic.errors import ConfigError
 from qic.models.common import GatherLinear, RowLinear, VocabEmbedding
+from qic.parallel import plans
 from qic.parallel.ranks import (  # noqa: F401  (re-exported: one import for TP users)
     DEFAULT_TIMEOUT,
     RankFailure,
@@ -139,7 +139,7 @@ def clear_tp(module: torch.nn.Module) -> None:
 
 def shard_state_dict(component: str, full_state_dict: Mapping[str, torch.Tensor], rank: int,
                      tp: int) -> dict[str, torch.Tensor]:
-    """One rank's tensors of a component's full (TP=1, module-named) state dict, by qic.build.plans.
+    """One rank's tensors of a component's full (TP=1, module-named) state dict, by qic.parallel.plans.
 
     The same slicing stage 1 writes to disk (`plans.rank_slice`): column-parallel tensors are a
     contiguous chunk of rows, row-parallel ones a chunk of columns, everything else whole; plus the

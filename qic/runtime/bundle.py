@@ -9,16 +9,16 @@ from pathlib import Path
 import torch
 
 from qic import __version__
-from qic.backends.loaders import load_graph
+from qic.backends import load_graph, loader
+from qic.dtypes import TORCH_DTYPES
 from qic.errors import BundleError, ConfigError
 from qic.graph_names import graph_name
 from qic.manifest import check_compatible, read_manifest, verify_files
-from qic.target import target_mismatch
 from qic.tokenizer import load_tokenizer
 from qic.verified import VerificationCache
 from qic.weights import mmap_safetensors
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+DTYPES = {**TORCH_DTYPES, "int64": torch.int64}   # graph inputs: floats and token ids
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Bundle:
         self.manifest = m = read_manifest(self.path)
         check_compatible(m, __version__, torch.__version__)
         self.device = device or m["device"]
-        check_targets(self.path, m, self.device)
+        loader(m["backend"]["backend"]).check(self.path, m, self.device)
         # Every file is checked before any of it is loaded: compiled code is hashed every time, weight
         # shards once per identity (qic/verified.py) unless verify_all asks for a full re-hash.
         self.trusted_weight_files = verify_files(self.path, m, cache=VerificationCache(), full=verify_all)
@@ -83,10 +83,7 @@ class Bundle:
             if missing:
                 raise BundleError(f"{self.path}: graph {g['name']} needs tensors its weights lack: {missing[:3]}")
             weights = [constants[n] for n in g["weight_inputs"]]
-            placement = {}
-            if m["backend"]["backend"] == "neuron":
-                placement = {"rank": rank, "world": world, "lnc": (m.get("neuron") or {}).get("lnc", 1)}
-            run = load_graph(m["backend"]["backend"], self.path / g["file"], weights, self.device, **placement)
+            run = load_graph(m, self.path / g["file"], weights, self.device, rank=rank, world=world)
             key = _key(g["component"], g["name"])
             self.graphs[key] = Graph(g["name"], run, g["inputs"])
         self.load_seconds = time.perf_counter() - t0
@@ -111,18 +108,6 @@ class Bundle:
             have = ", ".join(f"{h}x{w}" for h, w in self.resolutions)
             raise ConfigError(f"resolution {height}x{width} is not in this bundle (it has: {have})",
                               "pick one of those, or rebuild with --resolution")
-
-
-def check_targets(path: Path, manifest: dict, device: str) -> None:
-    """Refuse, before any compiled code is loaded, a graph compiled for an instruction set or GPU this
-    machine lacks (torch itself only warns, after loading, if the process survives the load)."""
-    if manifest["backend"].get("backend") != "inductor":
-        return  # other back ends' artifacts are checked by their own loaders
-    for g in manifest["graphs"]:
-        reason = target_mismatch(g.get("target", manifest["backend"].get("target")), device)
-        if reason:
-            raise BundleError(f"{path}: graph {g['name']} cannot run on this machine: {reason}",
-                              "rebuild the bundle (or warm its cache) on a machine like this one")
 
 
 def _weights_bundle(path, manifest: dict) -> tuple[Path, dict]:

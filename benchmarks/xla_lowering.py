@@ -1,0 +1,291 @@
+"""The neuron back end's lowering, measured and checked on XLA:CPU (run with .venv-xla's python).
+
+    python -m benchmarks.xla_lowering tp N        # TP=N HLO: replica groups, host transfers, N-device run vs TP=1
+    python -m benchmarks.xla_lowering depth       # looped (While) vs a host loop over one block vs unrolled
+    python -m benchmarks.xla_lowering depth-sizes # only the HLO sizes and lowering times (seconds to run)
+    python -m benchmarks.xla_lowering real HxW    # the real Qwen-Image configs lowered from shapes alone
+
+Each prints one JSON object (tests/test_neuron_xla.py asserts on it; docs/benchmarks.md keeps the figures).
+`tp N` must start with CPU_NUM_DEVICES=N in the environment (torch-xla reads it once).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qic.backends.neuron import hlo_proto
+from qic.backends.neuron import lower as xl
+from qic.builder.components import COMPONENTS
+from qic.builder.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.checkpoint import presets
+from qic.models.looped import stack_block_weights
+
+REAL_CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "qwen-image-configs"
+HOST_TRANSFER_OPS = ("send", "recv", "send-done", "recv-done", "infeed", "outfeed")
+
+
+def _configs(preset: str = "tiny", text_encoder: dict | None = None, **transformer_overrides):
+    p = presets.preset(preset)
+    p["transformer"].update(transformer_overrides)
+    p["text_encoder"].update(text_encoder or {})
+    return {name: COMPONENTS[name].parse_config(p[c.folder]) for name, c in COMPONENTS.items()}
+
+
+def _random(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights drawn large enough that every block changes the output (default inits nearly vanish)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in module.parameters():
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.2)
+    return module.eval()
+
+
+def _inputs(gdef, seed: int = 1):
+    from qic.backends.neuron.build import check_inputs
+    del seed
+    tensors = dict(gdef.module.named_parameters())
+    return check_inputs(gdef.inputs, tensors)
+
+
+def _graph(component: str, module, cfgs, res=(48, 80), bucket=128, dtype="float32"):
+    if component == "denoiser":
+        return denoiser_graph(module, cfgs["denoiser"], cfgs["vae_decoder"].scale_factor, *res, bucket, dtype)
+    if component == "text_encoder":
+        return text_encoder_graph(module, bucket)
+    return vae_decoder_graph(module, *res)
+
+
+# ------------------------------------------------------------------------------------------------ tp
+
+def tp_check(tp: int) -> dict:
+    """Each TP component's looped graph at TP=tp: lowered, executed on tp XLA:CPU devices with every
+    rank's own weight shard, compared with the TP=1 eager module on the same (unsharded) weights."""
+    from qic.builder.pipeline import _fake_world
+    from qic.parallel.tp import apply_tp, shard_state_dict
+    # The tiny text encoder has 2 key/value heads (TP may not exceed them): give it as many as ranks.
+    cfgs = _configs(text_encoder={"num_key_value_heads": max(tp, 2)})
+    _fake_world(tp)
+    out = {}
+    for component, prefix in (("denoiser", "transformer_blocks"), ("text_encoder", "model.layers")):
+        comp, cfg = COMPONENTS[component], cfgs[component]
+        full = _random(comp.make_module(cfg, tp_size=1, looped=False))
+        g1 = _graph(component, full, cfgs)
+        inputs = _inputs(g1)
+        with torch.no_grad():
+            want = g1.module(*[t for _, t in inputs])
+        mod = comp.make_module(cfg, tp_size=tp, looped=True)
+        apply_tp(mod)
+        g = _graph(component, mod, cfgs)
+        names = dict(g.module.named_parameters())
+        names.update(g.module.named_buffers())
+        t0 = time.perf_counter()
+        low = xl.lower(g.module, g.inputs, names, tp=tp)
+        seconds = time.perf_counter() - t0
+        owned = dict(g1.module.named_buffers())
+        per_rank = []
+        for r in range(tp):
+            shard = stack_block_weights(shard_state_dict(component, full.state_dict(), r, tp), prefix, cfg.num_layers)
+            weights = {**owned, **{g.weight_prefix + k: v for k, v in shard.items()}}
+            per_rank.append(low.values(inputs, weights))
+        outs = xl.execute_ranks(low.proto, per_rank)
+        # The comparison can fail: rank 0 holding rank 1's shard as well breaks the sum.
+        wrong = xl.execute_ranks(low.proto, [per_rank[1]] + per_rank[1:])
+        ops = hlo_proto.opcodes(low.proto)
+        w = want.flatten().float()
+        out[component] = {
+            "hlo_bytes": len(low.proto), "lower_seconds": round(seconds, 3),
+            "all_reduce": ops["all-reduce"], "all_gather": ops["all-gather"], "while": ops["while"],
+            "replica_groups": sorted({json.dumps(g) for op in ("all-reduce", "all-gather")
+                                      for g in hlo_proto.replica_groups(low.proto, op)}),
+            "host_transfers": sum(ops[o] for o in HOST_TRANSFER_OPS),
+            "cos": [torch.nn.functional.cosine_similarity(o[0].flatten().float(), w, 0).item() for o in outs],
+            "rel_l2": [((o[0].flatten().float() - w).norm() / w.norm()).item() for o in outs],
+            "wrong_shard_cos": torch.nn.functional.cosine_similarity(wrong[0][0].flatten().float(), w, 0).item(),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ depth
+
+def _lower_denoiser(blocks: int, looped: bool, values: bool = False, res=(48, 80)):
+    cfgs = _configs(num_layers=blocks)
+    comp = COMPONENTS["denoiser"]
+    if values:
+        module = _random(comp.make_module(cfgs["denoiser"], looped=looped))
+    else:
+        with torch.device("meta"):
+            module = comp.make_module(cfgs["denoiser"], looped=looped)
+    g = _graph("denoiser", module, cfgs, res)
+    tensors = dict(g.module.named_parameters())
+    tensors.update(g.module.named_buffers())
+    t0 = time.perf_counter()
+    low = xl.lower(g.module, g.inputs, tensors)
+    return g, tensors, low, time.perf_counter() - t0
+
+
+def _step_seconds(low, g, tensors, repeats: int = 3) -> float:
+    """One execution of the whole step graph, parameters already on the device (as the runtime holds
+    weights), the output read back."""
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    comp = xb.computation_from_module_proto("step", low.proto)
+    dev = torch_xla.device()
+    params = [p.to(dev) for p in low.values(_inputs(g), tensors)]
+
+    def step():
+        return torch_xla._XLAC._xla_user_computation("qic::step", params, comp)[0].cpu()
+
+    step()                                             # compile once
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - t0) / repeats
+
+
+def _host_loop(blocks: int, repeats: int = 3) -> dict:
+    """The alternative: one compiled block graph, run `blocks` times by the host per step."""
+    import torch_xla
+    cfgs = _configs(num_layers=1)
+    model = _random(COMPONENTS["denoiser"].make_module(cfgs["denoiser"], looped=False))
+    block = model.transformer_blocks[0]
+    rows, cols = 6, 10   # the 48x80 grid packed (vae scale 4, patch 2)
+    dim = cfgs["denoiser"].num_attention_heads * cfgs["denoiser"].attention_head_dim
+    gen = torch.Generator().manual_seed(0)
+    img, txt = torch.randn(2, rows * cols, dim, generator=gen), torch.randn(2, 94, dim, generator=gen)
+    temb = torch.randn(2, dim, generator=gen)
+    from qic.models.mmdit import rope_tables
+    cos, sin = rope_tables(cfgs["denoiser"], rows, cols, 94)
+    inputs = [("img", img), ("txt", txt), ("temb", temb), ("mask", None), ("cos", cos), ("sin", sin)]
+    real = [(n, t) for n, t in inputs if t is not None]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, img, txt, temb, cos, sin):
+            return self.block(img, txt, temb, None, cos, sin)
+
+    wrapper = Block().eval()
+    weights = dict(wrapper.named_parameters())
+    t0 = time.perf_counter()
+    low = xl.lower(wrapper, real, weights)
+    lower_s = time.perf_counter() - t0
+    params = low.values(real, weights)
+    import torch_xla.core.xla_builder as xb
+    comp = xb.computation_from_module_proto("block", low.proto)
+    dev = torch_xla.device()
+    dev_params = [p.to(dev) for p in params]
+    i_img = next(i for i, p in enumerate(low.param_order) if p["name"] == "img")
+    i_txt = next(i for i, p in enumerate(low.param_order) if p["name"] == "txt")
+
+    def step():
+        args = list(dev_params)
+        for _ in range(blocks):
+            a, b = torch_xla._XLAC._xla_user_computation("qic::block", args, comp)
+            torch_xla.sync()   # one device launch per block, as a host loop over a NEFF would do
+            args[i_img], args[i_txt] = a, b
+        return args[i_img].cpu()
+
+    step()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return {"hlo_bytes": len(low.proto), "lower_seconds": round(lower_s, 3),
+            "step_seconds": round((time.perf_counter() - t0) / repeats, 4)}
+
+
+def depth_sizes() -> dict:
+    """HLO size and lowering time of the denoise step at 4 and 60 blocks, looped and unrolled (shapes only)."""
+    out = {"looped": {}, "unrolled": {}}
+    for blocks in (4, 60):
+        for mode in out:
+            _, _, low, s = _lower_denoiser(blocks, looped=mode == "looped")
+            out[mode][blocks] = {"hlo_bytes": len(low.proto), "lower_seconds": round(s, 3)}
+    return out
+
+
+def depth() -> dict:
+    """depth_sizes plus XLA:CPU step time: While loop, host loop over one block graph, unrolled."""
+    out = {**depth_sizes(), "host_loop": {}}
+    for blocks in (4, 16):
+        for mode in ("looped", "unrolled"):
+            g, tensors, low, _ = _lower_denoiser(blocks, looped=mode == "looped", values=True)
+            out[mode].setdefault(blocks, {})["step_seconds"] = round(_step_seconds(low, g, tensors), 4)
+        out["host_loop"][blocks] = _host_loop(blocks)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ real
+
+def real(height: int, width: int, bucket: int = 256) -> dict:
+    """The real Qwen-Image configs at one resolution: every graph lowered from shapes (meta tensors; a
+    graph does not depend on weight values), HLO sizes against the 2 GB protobuf limit."""
+    raw = {f: json.loads((REAL_CONFIGS / f / "config.json").read_text())
+           for f in ("text_encoder", "transformer", "vae")}
+    cfgs = {name: c.parse_config(raw[c.folder]) for name, c in COMPONENTS.items()}
+    out = {}
+    for component in ("text_encoder", "denoiser", "vae_decoder"):
+        comp = COMPONENTS[component]
+        dtype = "float32" if component == "vae_decoder" else "bfloat16"
+        with torch.device("meta"):
+            module = comp.make_module(cfgs[component], looped=comp.stackable).to(getattr(torch, dtype))
+            g = _graph(component, module, cfgs, (height, width), bucket, dtype)
+        tensors = dict(g.module.named_parameters())
+        tensors.update(g.module.named_buffers())
+        t0 = time.perf_counter()
+        low = xl.lower(g.module, g.inputs, tensors)
+        out[g.name] = {"hlo_bytes": len(low.proto), "lower_seconds": round(time.perf_counter() - t0, 2),
+                       "parameters": len(low.param_order), "while": hlo_proto.opcodes(low.proto)["while"],
+                       "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    return out
+
+
+def sensitivity() -> dict:
+    """The XLA:CPU check's bound can fail: the tiny denoise step's rel-L2 against eager with the right
+    inputs, with the text mask's padding dropped, and with one block's weights zeroed."""
+    from qic.backends.neuron.build import NeuronBackend
+    g, tensors, low, _ = _lower_denoiser(3, looped=True, values=True)
+    backend = NeuronBackend.__new__(NeuronBackend)
+    right = backend.check(low, g.module, g.inputs, tensors)["xla_cpu_rel_l2"]
+    inputs = _inputs(g)
+    feed = dict(inputs)
+    unpadded = {**feed, "text_mask": torch.ones_like(feed["text_mask"])}
+    with torch.no_grad():
+        want = torch.func.functional_call(g.module, tensors, tuple(t for _, t in inputs))
+    got_mask = xl.execute(low.proto, low.values(list(unpadded.items()), tensors))[0]
+    name = next(n for n in tensors if "stacked" in n and n.endswith("img_mlp.net.2.weight"))
+    broken = dict(tensors)
+    broken[name] = tensors[name].clone()
+    broken[name][1] = 0
+    got_w = xl.execute(low.proto, low.values(inputs, broken))[0]
+
+    def rel(x):
+        return ((x.float() - want.float()).norm() / want.float().norm()).item()
+
+    return {"right": right, "mask_dropped": rel(got_mask), "block_zeroed": rel(got_w)}
+
+
+def main(argv: list[str]) -> None:
+    what = argv[0] if argv else "depth"
+    if what == "tp":
+        result = tp_check(int(argv[1]))
+    elif what == "sensitivity":
+        result = sensitivity()
+    elif what == "depth-sizes":
+        result = depth_sizes()
+    elif what == "real":
+        h, w = (int(v) for v in argv[1].split("x"))
+        result = real(h, w)
+    else:
+        result = depth()
+    print(json.dumps(result, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,144 @@
+"""The inductor back end's build half: torch.export traces each graph, AOTInductor compiles it into one
+weight-free .pt2 package (weights are trailing inputs: why in qic/builder/compile.py), for CPU or CUDA."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+from qic.backends.base import Backend, CompiledGraph, Traced
+from qic.backends.inductor import DEVICES, NAME, passes_digest
+from qic.backends.inductor.target import host_target
+from qic.errors import ConfigError
+
+# Weights reach the graph as inputs (see qic/builder/compile.py), so the package holds no weights to
+# leave out; the defaults stay explicit here because they are part of every cache key.
+INDUCTOR_CONFIGS: dict = {}
+
+
+def takes_qic_passes(device: str) -> bool:
+    """Whether graphs on `device` get qic's own passes (CPU graphs: why in passes.py). The one
+    place that decides, read by compile_options (which installs them) and identity (which keys on them)."""
+    return device == "cpu"
+
+
+def compile_options(device: str, passes: bool = True) -> dict:
+    """The inductor configs qic compiles a graph with on `device` (passes=False: without qic's pass, for
+    the before/after of benchmarks.step_profile)."""
+    options = dict(INDUCTOR_CONFIGS)
+    if passes and takes_qic_passes(device):
+        from qic.backends.inductor.passes import UnfuseCpuBiasAddmm
+        options["post_grad_custom_post_pass"] = UnfuseCpuBiasAddmm()
+    return options
+
+
+class InductorBackend(Backend):
+    name = NAME
+
+    def __init__(self, device: str):
+        from qic.backends.inductor.load import check_torch
+        check_torch()
+        if device not in DEVICES:
+            raise ConfigError(f"the inductor back end targets cpu or cuda, not {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda asked for, but torch sees no CUDA device",
+                              "build on a machine with a GPU, or use --device cpu")
+        super().__init__(device)
+
+    def identity(self) -> dict:
+        """Everything that decides whether an artifact is right and can run here. Inductor's own config
+        defaults are fixed by torch's version and git hash; what changes them is our INDUCTOR_CONFIGS and
+        TORCHINDUCTOR_* variables (read at import), so those are recorded instead of importing the
+        compiler (6 s) on every build, including no-op ones."""
+        ident = {"backend": self.name, "torch": torch.__version__, "torch_git": torch.version.git_version,
+                 "device": self.device, "configs": INDUCTOR_CONFIGS, "env": _compiler_env(),
+                 "passes": {"unfuse_cpu_bias_addmm": passes_digest()} if takes_qic_passes(self.device) else {},
+                 "cxx": cxx_version(), "target": host_target(self.device)}
+        if self.device == "cuda":
+            ident["cuda"] = torch.version.cuda
+        return ident
+
+    def trace(self, gdef, tensors: dict) -> Traced:
+        """torch.export of the module with its weights as trailing inputs; the exported graph's text and
+        signature name it in the cache."""
+        names = list(tensors)
+        args = tuple(t for _, t in gdef.inputs)
+        dynamic = None
+        if gdef.dynamic:
+            dynamic = (tuple(gdef.dynamic.get(name) for name, _ in gdef.inputs), [None] * len(names))
+        with torch.no_grad():
+            program = torch.export.export(WeightsAsInputs(gdef.module, names), (args, [tensors[n] for n in names]),
+                                          dynamic_shapes=dynamic)
+        h = hashlib.sha256(b"qic-graph-v2")
+        h.update(graph_text(program).encode())
+        h.update(str(program.graph_signature).encode())
+        return Traced(h, names, program)
+
+    def compile(self, traced: Traced, out_dir: Path) -> CompiledGraph:
+        from torch._inductor import aoti_compile_and_package
+
+        program = traced.payload
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "graph.pt2"
+        with warnings.catch_warnings():
+            # Inductor deep-copies the graph, constructing torch's own deprecated pytree LeafSpec: a
+            # notice to torch's developers that tells a qic user nothing. Only that one is silenced.
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            aoti_compile_and_package(program, package_path=str(path), inductor_configs=compile_options(self.device))
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        baked = loader.get_constant_fqns()
+        if baked:  # a weight-dependent constant would silently pin one checkpoint's values
+            raise RuntimeError(f"compiled graph holds constants {baked[:3]}; expected none")
+        return CompiledGraph(file=path.name)
+
+
+def _compiler_env() -> dict:
+    # The cache location does not change what is compiled.
+    return {k: v for k, v in sorted(os.environ.items())
+            if (k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")
+            or k in ("ATEN_CPU_CAPABILITY", "CXX")}
+
+
+@functools.lru_cache(maxsize=4)
+def cxx_version(cxx: str | None = None) -> str:
+    """The C++ compiler inductor uses for CPU code (cpp.cxx: $CXX, else g++), as `--version` names it."""
+    cxx = cxx or os.environ.get("CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx}: not found"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{path}: no version"
+    return f"{path}: {out.splitlines()[0] if out else 'no version'}"
+
+
+BACKEND = InductorBackend
+
+
+class WeightsAsInputs(torch.nn.Module):
+    """forward(args, weights): the module run with `weights` (in `names` order) as its tensors."""
+
+    def __init__(self, module: torch.nn.Module, names: list[str]):
+        super().__init__()
+        self.module, self.names = module, names
+
+    def forward(self, args, weights):
+        return torch.func.functional_call(self.module, dict(zip(self.names, weights)), args)
+
+
+def graph_text(program) -> str:
+    """The whole exported graph as text: every nested graph (scan bodies are submodules, absent from
+    the top-level code) with each value's dtype and shape, so weight shapes (TP=1 vs TP=2) count.
+    Source-location comments are dropped: they name paths that differ between checkouts."""
+    text = program.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
+    return "\n".join(line for line in text.splitlines() if not line.strip().startswith("#"))

@@ -1,0 +1,58 @@
+"""The inductor back end's run half: load an AOTInductor package whose weights are trailing inputs, and bind
+memory-mapped tensors; before that, refuse a graph compiled for an instruction set or GPU this machine lacks.
+
+Uses torch's C++ package loader directly: the Python route (torch._inductor.aoti_load_package)
+imports the whole compiler (about 2 s) before loading. This binding is internal torch API: the package
+as a whole accepts the torch range its model and build code are tested on (2.9 for the neuron back end's
+torch-xla, 2.13), but the inductor back end refuses any torch series not in TESTED_TORCH.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# torch (major, minor) series the runtime tests have loaded AOTInductor packages with; `qic doctor`
+# reports whether the running torch is one of them.
+TESTED_TORCH = ((2, 13),)
+
+
+def check_torch() -> None:
+    from qic.errors import ConfigError
+    series = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if series not in TESTED_TORCH:
+        tested = ", ".join(".".join(map(str, s)) for s in TESTED_TORCH)
+        raise ConfigError(f"the inductor back end binds AOTInductor packages through torch internals tested on "
+                          f"torch {tested}; this is torch {torch.__version__}",
+                          f"use torch {tested} for inductor bundles (`make install` sets up .venv)")
+
+
+def check(bundle: Path, manifest: dict, device: str) -> None:
+    """Refuse, before any compiled code is loaded, a graph compiled for an instruction set or GPU this
+    machine lacks (torch itself only warns, after loading, if the process survives the load)."""
+    from qic.backends.inductor.target import target_mismatch
+    from qic.errors import BundleError
+    for g in manifest["graphs"]:
+        reason = target_mismatch(g.get("target", manifest["backend"].get("target")), device)
+        if reason:
+            raise BundleError(f"{bundle}: graph {g['name']} cannot run on this machine: {reason}",
+                              "rebuild the bundle (or warm its cache) on a machine like this one")
+
+
+def describe(manifest: dict) -> tuple[list[str], dict]:
+    """What `qic inspect` adds for this back end: (lines, {column: graph -> text}); nothing here."""
+    return [], {}
+
+
+def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, world: int = 1,
+         manifest: dict | None = None):
+    check_torch()
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    bound = [w if w.device.type == device else w.to(device) for w in weights]
+
+    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return loader.run(list(inputs) + bound)
+
+    run.loader = loader
+    return run

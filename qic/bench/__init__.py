@@ -1,1 +1,0 @@
-"""Benchmarks: runnable modules (`python -m qic.bench.<name>`), not tests; results go to docs/benchmarks.md."""

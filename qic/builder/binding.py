@@ -1,0 +1,75 @@
+"""Binding a component's eager module to weights: a rank's memory-mapped shard (qic build), or stand-ins of
+the shard's shapes when there are no weights (qic warm compiles from configs alone), with TP applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qic.builder.compile import compile_graph
+from qic.builder.components import COMPONENTS, expected_tensors
+from qic.builder.context import Context, looped, tp_of
+from qic.dtypes import TORCH_DTYPES
+from qic.errors import ConfigError
+from qic.weights import mmap_safetensors
+
+
+def shard_shapes(ctx: Context, component: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one rank's weight shard: exactly the module's state dict (loaded strictly)."""
+    return expected_tensors(COMPONENTS[component], ctx.configs[component], tp_of(component, ctx.spec.tp),
+                            looped=looped(ctx.spec, component))
+
+
+def weight_names(ctx: Context, component: str, weights_path: Path | None) -> set[str]:
+    """The tensors the component's shard holds (its file's header, or the shapes it would have)."""
+    if weights_path is None:
+        return set(shard_shapes(ctx, component))
+    from qic.checkpoint.safetensors_file import read_header
+    return set(read_header(weights_path).tensors)
+
+
+def bound_module(ctx: Context, component: str, weights_path: Path | None) -> torch.nn.Module:
+    """The eager module with memory-mapped shard tensors assigned (no copy, nothing touched), or with
+    uninitialised stand-ins of the shard's shapes and dtype when there are no weights (torch.empty
+    only reserves address space until written, and compiling never reads weight values)."""
+    comp = COMPONENTS[component]
+    tp = tp_of(component, ctx.spec.tp)
+    dtype = TORCH_DTYPES[comp.fixed_dtype or ctx.spec.dtype_of(component)]
+    with torch.device("meta"):
+        module = comp.make_module(ctx.configs[component], tp_size=tp, looped=looped(ctx.spec, component))
+    if weights_path is not None:
+        tensors = mmap_safetensors(weights_path)
+    else:  # shards hold every tensor in the component's dtype (stage 1)
+        tensors = {n: torch.empty(shape, dtype=dtype) for n, shape in shard_shapes(ctx, component).items()}
+    module.load_state_dict(tensors, strict=True, assign=True)
+    module = module.to(dtype)
+    if tp > 1:
+        # The all-reduces enter the graph by the world group's name; at run time each rank's gloo/NCCL
+        # world group has that name. Tracing needs a group of the right size: a fake one, no peers.
+        from qic.parallel.tp import apply_tp
+        fake_world(tp)
+        apply_tp(module)
+    return module
+
+
+def fake_world(tp: int) -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        if dist.get_world_size() != tp and dist.get_backend() == "fake":
+            dist.destroy_process_group()  # our own tracing group for another TP degree (a warm matrix)
+        elif dist.get_world_size() != tp:
+            raise ConfigError(f"a process group of {dist.get_world_size()} ranks is active; building tp={tp} "
+                              "needs none (build from a plain process)")
+        else:
+            return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+
+
+def compile_job(job, ctx: Context, backend, weights_path: Path | None = None, remote=None, sign=None):
+    """Compile (or find) one job's graph, its weights bound from a shard file, or stood in by shapes
+    when `weights_path` is None (graphs take weights as inputs, so their values never matter)."""
+    names = weight_names(ctx, job.component, weights_path)
+    return compile_graph(lambda: job.maker(bound_module(ctx, job.component, weights_path)),
+                         backend, names, ctx.cache, job.spec_key, remote=remote, sign=sign)

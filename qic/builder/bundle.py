@@ -1,0 +1,122 @@
+"""Stage 3: write a versioned bundle from the shard and compile caches, atomically.
+
+    BUNDLE/manifest.json                   versions, model identity, graphs with shapes and sha256, ...
+    BUNDLE/tokenizer/                      the checkpoint's tokenizer files
+    BUNDLE/weights/<component>/rank{r}.safetensors   hard links into the shard cache where possible
+    BUNDLE/graphs/<graph>/graph.pt2 [+ constants.safetensors]   copied from the compile cache
+
+A bundle whose manifest already records this build key, with every file at its recorded size, is
+left untouched (a no-op build writes nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from qic import __version__
+from qic.fsutil import link_or_copy, make_temp_dir, replace_dir, sweep_stale
+from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
+from qic.manifest import MANIFEST, file_entry, finalize
+
+# Files of a tokenizer directory the runtime may read (either form).
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "added_tokens.json",
+                    "special_tokens_map.json")
+
+
+def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bool:
+    """Write the bundle; False when an identical one is already in place."""
+    out = Path(spec.output)
+    sweep_stale(out.parent, out.name)  # what a killed earlier build of this output left beside it
+    if _up_to_date(out, build_key):
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(out)
+    try:
+        files: list[str] = []
+        for name in _TOKENIZER_FILES:
+            src = ctx.ckpt.tokenizer_dir / name
+            if src.is_file():
+                _copy(src, tmp / "tokenizer" / name)
+                files.append(f"tokenizer/{name}")
+        weights = {}
+        for comp, res in shards.items():
+            rel = []
+            for p in res.files:
+                r = f"weights/{comp}/{p.name}"
+                link_or_copy(p, tmp / r)
+                rel.append(r)
+            weights[comp] = rel
+            files += rel
+        graphs = []
+        for art in artifacts:
+            meta = art.meta
+            gdir = f"graphs/{meta['graph']}"
+            for f in meta["files"]:
+                _copy(art.directory / f, tmp / gdir / f)
+                files.append(f"{gdir}/{f}")
+            extra, copies = backend.graph_fields(meta, gdir)
+            for src, name in copies:
+                _copy(src, tmp / gdir / name)
+                files.append(f"{gdir}/{name}")
+            graphs.append({**extra,
+                "name": meta["graph"], "component": meta["component"], "key": art.graph_key,
+                "file": f"{gdir}/{meta['file']}",
+                "constants_file": f"{gdir}/{meta['constants_file']}" if meta["constants_file"] else None,
+                "weights": weights[meta["component"]], "weight_prefix": meta["weight_prefix"],
+                "weight_inputs": meta["weight_inputs"], "owned_constants": meta["owned_constants"],
+                "inputs": meta["inputs"], "outputs": meta["outputs"], "dynamic_text": meta["dynamic_text"],
+                "bytes": sum(e["bytes"] for e in meta["files"].values()),
+                # The machine it was compiled for (from the cache, maybe not this one): the runtime checks it.
+                "target": meta["backend"].get("target"),
+            })
+        vae, den = ctx.configs["vae_decoder"], ctx.configs["denoiser"]
+        manifest = finalize({
+            "build_key": build_key,
+            "versions": {"qic": __version__, "torch": torch.__version__},
+            "backend": backend.identity(),
+            "device": spec.device,
+            "tp": spec.tp,
+            "model": {"id": ctx.ckpt.model_id, "digest": digest},
+            "dtypes": dict(spec.dtype),
+            "components": list(spec.components),
+            "resolutions": [list(r) for r in spec.resolutions],
+            "text_buckets": list(spec.text_buckets),
+            "cfg": list(spec.cfg) if "denoiser" in spec.components else [],  # step graphs: True CFG, False no-CFG
+            "batch_sizes": list(spec.batch_sizes),           # images per graph call the graphs exist for
+            "prompt": {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
+            "tokenizer": "tokenizer",
+            "scheduler": ctx.scheduler,                       # the checkpoint's, overrides applied
+            "scheduler_overrides": dict(spec.scheduler),
+            "defaults": dict(spec.defaults),
+            "loras": [{"file": Path(lo.path).name, "sha256": lo.digest, "scale": lo.scale} for lo in ctx.loras],
+            "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
+                        "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
+            "graphs": graphs,
+            **backend.bundle_fields(graphs),
+            "files": {f: file_entry(tmp, f) for f in sorted(files)},
+        })
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return True
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+
+
+def _up_to_date(out: Path, build_key: str) -> bool:
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        if manifest.get("build_key") != build_key:
+            return False
+        return all((out / f).stat().st_size == e["bytes"] for f, e in manifest["files"].items())
+    except (OSError, ValueError, KeyError):
+        return False

@@ -1,0 +1,75 @@
+"""The same graphs a bundle holds, run eagerly from a checkpoint: the reference path for checks.
+
+`EagerModel` offers the interface the runtime's generate() uses (graph(), tokenizer, settings), with
+eager modules in place of compiled graphs, so compiled-vs-eager checks compare one thing only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qic.builder.components import COMPONENTS
+from qic.builder.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.checkpoint.reader import Checkpoint
+from qic.dtypes import TORCH_DTYPES
+from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
+from qic.models.common import load_weights
+from qic.tokenizer import load_tokenizer
+
+
+class _Eager:
+    def __init__(self, gdef):
+        self.module = gdef.module.eval()
+        self.inputs = gdef.inputs
+
+    def __call__(self, *tensors):
+        args = [t.to(ex.dtype) for t, (_, ex) in zip(tensors, self.inputs)]
+        with torch.no_grad():
+            return [self.module(*args)]
+
+
+class EagerModel:
+    def __init__(self, root: str | Path, resolutions, buckets, dtype: str = "float32"):
+        self.ckpt = Checkpoint(Path(root))
+        self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
+        self.resolutions = [tuple(r) for r in resolutions]
+        self.buckets = list(buckets)
+        self.scheduler = self.ckpt.config("scheduler")
+        self.prompt = {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS}
+        self.dtype = dtype
+        self.configs, self.modules = {}, {}
+        for name, comp in COMPONENTS.items():
+            cfg = comp.parse_config(self.ckpt.config(comp.folder))
+            module = comp.make_module(cfg)
+            sd = comp.convert(self.ckpt.weights(comp.folder).load())
+            load_weights(module, sd, name)
+            self.configs[name] = cfg
+            self.modules[name] = module.to(TORCH_DTYPES[comp.fixed_dtype or dtype]).eval()
+        vae = self.configs["vae_decoder"]
+        self.latents = {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor,
+                        "channels": self.configs["denoiser"].in_channels}
+        self._graphs = {}
+        self.defaults = {}
+
+    def check_resolution(self, height, width):
+        from qic.host.latents import check_resolution
+        check_resolution(height, width, self.latents["vae_scale_factor"])
+
+    def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1):
+        return True  # eager modules make every graph on demand
+
+    def graph(self, component, resolution=None, bucket=None, cfg=True, batch=1):
+        key = (component, resolution, bucket, cfg, batch)
+        if key not in self._graphs:
+            m = self.modules[component]
+            if component == "text_encoder":
+                gdef = text_encoder_graph(m, bucket, batch=batch)
+            elif component == "denoiser":
+                gdef = denoiser_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
+                                      bucket, self.dtype, cfg=cfg, batch=batch)
+            else:
+                gdef = vae_decoder_graph(m, *resolution, batch=batch)
+            self._graphs[key] = _Eager(gdef)
+        return self._graphs[key]

@@ -1,0 +1,109 @@
+"""Graph planning: every graph a spec asks for, with its spec key, computed without exporting anything. The one
+place `qic build`, `qic plan` and `qic warm` get their graphs and keys from.
+
+The spec key covers qic's code that shapes a graph, the component configs it depends on (provenance
+entries left out), the graph's shapes, dtype, TP degree and the back end's identity; it memoises spec key
+-> graph key (qic.cache.layout), so a no-op build exports nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from qic import __version__
+from qic.builder.components import COMPONENTS
+from qic.builder.context import looped, tp_of
+from qic.builder.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.graph_names import graph_name
+
+# Which checkpoint configs each component's graphs depend on (the denoiser step packs latents by the VAE's scale).
+CONFIG_DEPS = {"text_encoder": ("text_encoder",), "denoiser": ("transformer", "vae"), "vae_decoder": ("vae",)}
+# Config entries that say which tool wrote a file, not what the graph computes: a checkpoint variant saved by
+# another diffusers/transformers (Qwen-Image-2512 vs Qwen-Image) keeps the spec key, so it exports nothing.
+PROVENANCE_KEYS = ("_diffusers_version", "_name_or_path", "transformers_version", "_commit_hash")
+# qic's own code that shapes a graph (paths relative to the package); edits to it invalidate spec keys.
+CODE = ("models", "builder/graphs.py", "backends")
+_QIC = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class GraphJob:
+    """One graph to compile: what it is, and its spec key (computable without exporting anything)."""
+    component: str
+    name: str
+    shape: dict
+    spec_key: str
+    maker: object          # maker(bound module) -> GraphDef
+    job_id: str            # the spec key without this machine's identity: the same on every warm worker
+
+
+def code_digest() -> str:
+    h = hashlib.sha256(__version__.encode())
+    for entry in CODE:
+        p = _QIC / entry
+        for f in sorted([p] if p.is_file() else p.rglob("*.py")):
+            h.update(f.relative_to(_QIC).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def spec_key(gdef_name: str, shape: dict, dtype: str, tp: int, configs: dict, identity: dict, code: str) -> str:
+    blob = json.dumps({"graph": gdef_name, "shape": shape, "dtype": dtype, "tp": tp, "configs": configs,
+                       "backend": identity, "code": code}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
+    """Every graph the spec asks for, with its spec key. `configs`: parsed per component; `raw`: the
+    checkpoint's config.json per folder; `backend`: the build half (its identity keys the graphs)."""
+    code = code_digest()
+    identity = backend.identity()
+    where = {"backend": spec.backend, "device": spec.device}
+    jobs = []
+    for comp_name, shape in graph_shapes(spec):
+        deps = {f: {k: v for k, v in raw[f].items() if k not in PROVENANCE_KEYS} for f in CONFIG_DEPS[comp_name]}
+        dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
+        name = name_of(comp_name, shape)
+        shape_key = {**shape, "looped": looped(spec, comp_name)}
+        tp = tp_of(comp_name, spec.tp)
+        jobs.append(GraphJob(comp_name, name, shape, spec_key(name, shape_key, dtype, tp, deps, identity, code),
+                             _maker(comp_name, configs, shape, spec.dtype_of(comp_name)),
+                             spec_key(name, shape_key, dtype, tp, deps, where, "")))
+    return jobs
+
+
+def _maker(component: str, configs: dict, shape: dict, dtype: str):
+    return lambda module: make_graph(component, module, configs, shape, dtype)
+
+
+def graph_shapes(spec) -> list[tuple[str, dict]]:
+    """(component, shape) for every graph the spec asks for, in build order."""
+    # Batch 1 and the CFG graph have no "batch" / "cfg" entry: their names and spec keys predate them.
+    batches = [{} if n == 1 else {"batch": n} for n in spec.batch_sizes]
+    out = [("text_encoder", {"bucket": b} | n)
+           for n in batches for b in spec.text_buckets if "text_encoder" in spec.components]
+    if "denoiser" in spec.components:
+        out += [("denoiser", {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | n)
+                for n in batches for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
+    if "vae_decoder" in spec.components:
+        out += [("vae_decoder", {"resolution": [h, w]} | n) for n in batches for h, w in spec.resolutions]
+    return out
+
+
+def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
+    """The GraphDef of one graph around a component module (weights bound, or fake for estimates)."""
+    batch = shape.get("batch", 1)
+    if component == "text_encoder":
+        return text_encoder_graph(module, shape["bucket"], batch)
+    if component == "denoiser":
+        h, w = shape["resolution"]
+        return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
+                              shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch)
+    return vae_decoder_graph(module, *shape["resolution"], batch)
+
+
+def name_of(component: str, shape: dict) -> str:
+    return graph_name(component, shape.get("resolution"), shape.get("bucket"), shape.get("cfg", True),
+                      shape.get("batch", 1))

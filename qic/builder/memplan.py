@@ -1,0 +1,282 @@
+"""`qic plan`: what a build will need, from the checkpoint's configs alone (no weights read).
+
+Per component and per rank: weight bytes (exact: the TP plan's shard shapes, as stage 1 writes them).
+Per graph: the largest activation and the peak memory of running it, estimated by executing the graph's
+module on fake tensors (shapes only, no data, no memory) while counting the bytes of live tensors.
+Disk: the stage-1 shards and the compiled artifacts. Compile: the number of graphs and an estimated
+time from the compile cache's own records.
+
+What "peak" means here: the most memory a process holds while it runs one graph eagerly (PyTorch
+ops, no compiler) with the component's weights resident: weight bytes + graph inputs + the high-water
+mark of tensors alive at once (a tensor counts from the op that creates it until its last reference
+dies; views and in-place results share their base's memory and add nothing). It is measured the same
+way as the resident-set growth of a process that materialises the weights and runs the graph
+(`benchmarks.peak`; tests/test_memplan.py holds the estimate to 25% of that). A compiled graph fuses
+ops and plans its buffers, so its activations are usually smaller; weights dominate at real scale.
+The estimate runs the unrolled form with one layer (the looped form, like L unrolled layers run
+eagerly, holds one layer's activations at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from qic.builder.components import COMPONENTS
+from qic.builder.context import looped, tp_of
+from qic.builder.jobs import graph_shapes, make_graph, name_of, plan_jobs
+from qic.cache import layout
+from qic.dtypes import TORCH_DTYPES
+from qic.errors import QicError
+from qic.fsutil import write_json_atomic
+from qic.host.latents import check_resolution
+from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
+from qic.models.common import GatherLinear, RowLinear, VocabEmbedding
+
+# Without records in the cache: what one looped graph took inductor on the 2-core development host, from
+# the compile records of its test and real-width caches: 10-26 s per graph (median about 20), whether the
+# graph is tiny or 3072 wide, since compile time follows the number of ops, not their sizes. Unrolled
+# graphs (looped: false) grow with depth; an earlier default of 60 s was about 3x high for looped ones.
+DEFAULT_COMPILE_SECONDS = 20.0
+# Without records: an AOTInductor package of one graph (weights are inputs, so it is code only).
+DEFAULT_ARTIFACT_BYTES = 4 << 20
+
+
+@dataclass
+class GraphPlan:
+    name: str
+    component: str
+    weight_bytes: int          # the component's weights on one rank
+    input_bytes: int
+    largest_activation: int
+    activation_peak: int       # high-water mark of live intermediate tensors
+    compile_seconds: float     # 0 when the cache already holds it
+    cached: bool
+    artifact_bytes: int
+
+    @property
+    def peak(self) -> int:
+        return self.weight_bytes + self.input_bytes + self.activation_peak
+
+
+@dataclass
+class ComponentPlan:
+    name: str
+    dtype: str
+    ranks: int                 # 1 for a replicated component (one shard serves every rank)
+    bytes_per_rank: int
+    bytes_tp1: int
+
+
+@dataclass
+class MemoryPlan:
+    tp: int
+    components: list[ComponentPlan] = field(default_factory=list)
+    graphs: list[GraphPlan] = field(default_factory=list)
+    compile_source: str = ""
+
+    @property
+    def shard_disk(self) -> int:
+        return sum(c.ranks * c.bytes_per_rank for c in self.components)
+
+    @property
+    def artifact_disk(self) -> int:
+        return sum(g.artifact_bytes for g in self.graphs)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(g.compile_seconds for g in self.graphs)
+
+    @property
+    def run_peak_per_rank(self) -> int:
+        """`qic run` keeps every component resident: all weights of a rank plus the largest graph's
+        inputs and activations."""
+        weights = sum(c.bytes_per_rank for c in self.components)
+        return weights + max((g.input_bytes + g.activation_peak for g in self.graphs), default=0)
+
+
+# ------------------------------------------------------------------------------------------- estimate
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of tensors created by ops while they are alive (fake tensors: no memory used)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        inputs = {id(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in inputs:  # in-place ops return their input
+                n = t.numel() * t.element_size()
+                self.live += n
+                self.peak, self.largest = max(self.peak, self.live), max(self.largest, n)
+                weakref.finalize(t, self._free, n)
+        return out
+
+
+class _SimReduce:
+    """Stand-in for the all_reduce during estimation: a new tensor of the same size, as the collective makes."""
+
+    def __call__(self, x):
+        return x.clone()
+
+
+class _SimGather:
+    """Stand-in for the all_gather during estimation: the whole [..., tp * n] output."""
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def __call__(self, x):
+        return x.repeat(*([1] * (x.dim() - 1)), self.tp)
+
+
+def _simulated_tp(module: torch.nn.Module, tp: int) -> None:
+    if tp == 1:
+        return
+    for m in module.modules():
+        if isinstance(m, (RowLinear, VocabEmbedding)):
+            m.reduce = _SimReduce()
+        elif isinstance(m, GatherLinear):
+            m.gather = _SimGather(tp)
+
+
+def weight_bytes(component: str, config, tp: int, dtype: str, looped: bool = False) -> int:
+    """One rank's weight bytes, from the module's shard shapes on the meta device."""
+    comp = COMPONENTS[component]
+    with torch.device("meta"):
+        module = comp.make_module(config, tp_size=tp, looped=looped)
+    item = TORCH_DTYPES[comp.fixed_dtype or dtype].itemsize
+    return sum(t.numel() * (t.element_size() if not t.is_floating_point() else item)
+               for t in module.state_dict().values())
+
+
+def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: dict) -> tuple[int, int, int]:
+    """(input bytes, largest activation, activation peak) of one graph, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    comp = COMPONENTS[component]
+    dtype = comp.fixed_dtype or dtype
+    default = torch.get_default_dtype()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.set_default_dtype(TORCH_DTYPES[dtype])  # built in the dtype: .to() cannot swap fake parameters
+        try:
+            module = comp.make_module(_one_layer(configs[component]), tp_size=tp).eval()
+        finally:
+            torch.set_default_dtype(default)
+        _simulated_tp(module, tp)
+        gdef = make_graph(component, module, configs, shape, dtype)
+        args = [t for _, t in gdef.inputs]
+        with torch.no_grad(), LiveBytes() as live:
+            out = gdef.module.eval()(*args)
+            del out
+    return sum(t.numel() * t.element_size() for t in args), live.largest, live.peak
+
+
+def _one_layer(config):
+    """Layers run one after another and only their fixed-size carry outlives a layer, so one layer has the
+    same activation peak as L (and costs 1/L of the estimate's time: fake-tensor ops take milliseconds)."""
+    if hasattr(config, "num_layers"):
+        return dataclasses.replace(config, num_layers=1)
+    return config
+
+
+def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -> MemoryPlan:
+    """The plan for a build spec, given parsed component configs (and the raw ones, for spec keys)."""
+    for h, w in spec.resolutions:  # the build's own check, so a bad size fails as it would there
+        check_resolution(h, w, configs["vae_decoder"].scale_factor)
+    plan = MemoryPlan(spec.tp)
+    records = _compile_records(Path(cache_dir) if cache_dir else None)
+    plan.compile_source = (f"{sum(map(len, records.values()))} cached graph records" if records
+                           else f"no cached records; {DEFAULT_COMPILE_SECONDS:.0f} s per graph assumed")
+    for name in spec.components:
+        tp = tp_of(name, spec.tp)
+        dtype = COMPONENTS[name].fixed_dtype or spec.dtype_of(name)
+        plan.components.append(ComponentPlan(
+            name, dtype, tp, weight_bytes(name, configs[name], tp, dtype, looped(spec, name)),
+            weight_bytes(name, configs[name], 1, dtype)))
+    per_rank = {c.name: c.bytes_per_rank for c in plan.components}
+    keys = _spec_keys(spec, configs, raw)
+    for name, shape in graph_shapes(spec):
+        tp = tp_of(name, spec.tp)
+        sized = shape
+        if shape.get("bucket") == 0:  # exact-length text: sized at the longest prompt it accepts
+            sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
+        gname = name_of(name, shape)
+        inputs, largest, peak = _estimate_cached(cache_dir, keys.get(gname),
+                                                 lambda: estimate_graph(name, configs, tp, spec.dtype_of(name), sized))
+        cached = _is_cached(cache_dir, keys.get(gname))
+        secs = [r["compile_seconds"] for r in records.get(name, [])]
+        sizes = [r["bytes"] for r in records.get(name, [])]
+        plan.graphs.append(GraphPlan(
+            gname, name, per_rank[name], inputs, largest, peak,
+            0.0 if cached else (statistics.median(secs) if secs else DEFAULT_COMPILE_SECONDS), cached,
+            int(statistics.median(sizes)) if sizes else DEFAULT_ARTIFACT_BYTES))
+    return plan
+
+
+def _estimate_cached(cache_dir: Path | None, skey: str | None, compute) -> tuple[int, int, int]:
+    """A graph's estimate is a function of what its spec key covers (configs, shape, dtype, TP, qic's model
+    code), so it is kept in the cache under that key: a no-op build prints its plan without re-running
+    the fake-tensor estimate (seconds, and an import of torch._dynamo). Nothing is written to a cache
+    directory that does not exist yet."""
+    path = layout.plan_file(cache_dir, skey) if cache_dir is not None and skey else None
+    if path is not None:
+        try:
+            return tuple(json.loads(path.read_text())["estimate"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    value = compute()
+    if path is not None and Path(cache_dir).is_dir():
+        path.parent.mkdir(exist_ok=True)
+        write_json_atomic(path, {"estimate": list(value)})
+    return value
+
+
+def _compile_records(cache_dir: Path | None) -> dict[str, list[dict]]:
+    """component -> [{compile_seconds, bytes}] from the compile cache's meta.json files."""
+    out: dict[str, list[dict]] = {}
+    if cache_dir is None:
+        return out
+    for meta_path in sorted(layout.graphs_dir(cache_dir).glob("*/meta.json")):
+        try:
+            meta = json.loads(meta_path.read_text())
+            out.setdefault(meta["component"], []).append(
+                {"compile_seconds": float(meta["compile_seconds"]),
+                 "bytes": sum(int(f["bytes"]) for f in meta["files"].values())})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged or foreign entry is no record
+    return out
+
+
+def _spec_keys(spec, configs: dict, raw: dict) -> dict[str, str]:
+    """graph name -> the spec key the build memoises it under: the build's own plan (empty when the back end
+    is unavailable here, e.g. neuron without torch-xla: the plan then shows nothing as cached)."""
+    from qic.backends import backend_for
+    try:
+        backend = backend_for(spec)
+    except QicError:
+        return {}
+    return {job.name: job.spec_key for job in plan_jobs(spec, configs, raw, backend)}
+
+
+def _is_cached(cache_dir: Path | None, skey: str | None) -> bool:
+    if cache_dir is None or skey is None:
+        return False
+    gkey = layout.read_memo(cache_dir, skey)
+    return gkey is not None and (layout.graph_dir(cache_dir, gkey) / "meta.json").is_file()

@@ -1,0 +1,79 @@
+"""Where a build's checkpoint comes from: the embedded tiny model, a local directory, or a hub id."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from qic.cache import layout
+from qic.checkpoint.reader import FOLDERS, Checkpoint
+from qic.errors import CheckpointError
+
+EMBEDDED_PREFIX = "embedded:"   # embedded:tiny, embedded:tiny-alt
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Files a build needs from a hub repo; the vision tower lives in the text encoder shards and is simply not read.
+_HUB_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "text_encoder/*", "transformer/*", "vae/*"]
+# What compiling needs (`qic warm`): configs and the tokenizer, not the weights.
+_HUB_CONFIG_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "*/config.json"]
+
+
+def resolve_model(model: str | None, cache_dir: Path, configs_only: bool = False) -> Checkpoint:
+    """None -> the embedded tiny checkpoint (generated once into the cache); a directory; or a hub id
+    (configs_only: only its configs and tokenizer are fetched)."""
+    if model is None or model.startswith(EMBEDDED_PREFIX):
+        from qic.checkpoint.embedded import write_checkpoint
+
+        preset = model[len(EMBEDDED_PREFIX):] if model else "tiny"
+        root = write_checkpoint(layout.embedded_dir(cache_dir, preset), preset_name=preset, seed=0)
+        return Checkpoint(root, model_id=f"{EMBEDDED_PREFIX}{preset}")
+    if not is_hub_id(model):
+        path = Path(model).expanduser()
+        return Checkpoint(path, model_id=str(path.resolve()))
+    return Checkpoint(_from_hub(model, _HUB_CONFIG_PATTERNS if configs_only else _HUB_PATTERNS), model_id=model)
+
+
+def is_hub_id(model: str) -> bool:
+    """ORG/NAME that is not an existing path nor written as one (./x, /x, ~/x): a hub repository id."""
+    return not (Path(model).expanduser().exists() or model.startswith((".", "/", "~"))) and bool(_HUB_ID.match(model))
+
+
+def _from_hub(repo_id: str, patterns: list[str] = _HUB_PATTERNS) -> Path:
+    """Resolve through huggingface-hub; HF_HUB_OFFLINE=1 uses only the local hub cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
+    except LocalEntryNotFoundError:
+        raise CheckpointError(f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set" if offline else
+                              f"{repo_id}: could not be downloaded and is not in the local hub cache",
+                              f"download it first (hf download {repo_id}) or pass a local directory") from None
+    except Exception as e:  # network errors, missing repos, auth: one line naming the id
+        raise CheckpointError(f"{repo_id}: hub resolution failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                              "check the id, your network, or pass a local directory") from None
+
+
+_CONFIG_PATTERNS = ["model_index.json", "scheduler/*.json", "text_encoder/config.json", "transformer/config.json",
+                    "vae/config.json"]
+
+
+def resolve_configs(model: str | None, cache_dir: Path) -> tuple[dict, dict]:
+    """(parsed config per component, raw config per checkpoint folder), reading configs only: an embedded
+    preset, a local directory (weights not needed), or a hub id (only its config files are fetched)."""
+    from qic.builder.components import COMPONENTS
+    from qic.checkpoint.presets import preset
+
+    folders = FOLDERS
+    if model is None or model.startswith(EMBEDDED_PREFIX):
+        name = model[len(EMBEDDED_PREFIX):] if model else "tiny"
+        try:
+            raw = {f: preset(name)[f] for f in folders}
+        except KeyError as e:
+            raise CheckpointError(str(e.args[0]), "use embedded:tiny, embedded:tiny-alt or embedded:small") from None
+    else:
+        path = _from_hub(model, _CONFIG_PATTERNS) if is_hub_id(model) else Path(model).expanduser()
+        ckpt = Checkpoint(path)
+        raw = {f: ckpt.config(f) for f in folders}
+    return {n: c.parse_config(raw[c.folder]) for n, c in COMPONENTS.items()}, raw

@@ -1,0 +1,250 @@
+"""The `qic` command: thin click commands, each calling one function, imported lazily.
+
+Errors users can fix print as one line plus the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import wraps
+
+import click
+
+
+def _friendly(fn):
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        from qic.errors import QicError
+        try:
+            return fn(*args, **kwargs)
+        except QicError as e:
+            click.echo(f"error: {e.message}", err=True)
+            if e.hint:
+                click.echo(f"  fix: {e.hint}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="qic")
+def main():
+    """qic: compile Qwen-Image checkpoints into ready-to-run bundles, and run them."""
+
+
+_BUILD_OPTIONS = [
+    click.option("--model", help="Checkpoint: a local diffusers-layout directory or a hub id "
+                                 "(default: embedded tiny)."),
+    click.option("--backend", help="inductor | neuron"),
+    click.option("--device", help="cpu | cuda (inductor), neuron"),
+    click.option("--tp", type=int, help="Tensor-parallel degree."),
+    click.option("--resolution", "resolutions", multiple=True,
+                 help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's "
+                      "list."),
+    click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length."),
+    click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
+    click.option("--batch-sizes", help="Images per graph call to build graphs for, e.g. 1,2 (qic serve batches "
+                                       "compatible requests in these sizes); default 1."),
+    click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder."),
+    click.option("--layers", type=click.Choice(["unrolled", "looped"]),
+                 help="Transformer blocks unrolled in the graph, or one block looped over stacked weights."),
+    click.option("--lora", "loras", multiple=True,
+                 help="FILE[:SCALE]: a LoRA merged into the denoiser's weights (repeatable; replaces the config's "
+                      "list)."),
+    click.option("--output", help="Bundle directory to write."),
+    click.option("--cache-dir", help="Shard and compile cache directory."),
+    click.option("--cache-from", help="Remote compile store to pull hits from: hf://ORG/REPO or a directory."),
+    click.option("--cache-public-key", "cache_public_keys", multiple=True,
+                 help="Public key (hex or .pub file) whose signatures make remote entries usable; repeatable."),
+    click.option("--cache-trusted", is_flag=True, default=None, help="Use the remote store's entries unsigned."),
+]
+
+
+def _build_options(fn):
+    for option in reversed(_BUILD_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _overrides(resolutions, loras=(), cache_public_keys=(), **flags) -> dict:
+    """Flag values as spec overrides: repeatable flags given no value leave the config's list alone."""
+    return {**flags, "resolutions": list(resolutions) or None, "loras": list(loras) or None,
+            "cache_public_keys": list(cache_public_keys) or None}
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@_build_options
+@_friendly
+def build(config, resolutions, **flags):
+    """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default: the embedded tiny model)."""
+    from qic.cli.build import run_build
+    run_build(config, _overrides(resolutions, **flags))
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path())
+@_build_options
+@_friendly
+def plan(config, resolutions, **flags):
+    """Memory, disk and compile-time plan of a build, from configs alone (CONFIG: a YAML build config, or a
+    checkpoint directory, which may hold only its config files)."""
+    from qic.cli.plan import run_plan
+    run_plan(config, _overrides(resolutions, **flags))
+
+
+@main.command()
+@click.argument("matrix", type=click.Path(dir_okay=False))
+@click.option("--shard", help="I/N: compile only this worker's share of the jobs (1-based).")
+@click.option("--dry-run", is_flag=True, help="List what would compile and what is cached; compile nothing.")
+@click.option("--jobs", type=int, default=1, show_default=True, help="Compile in K worker processes.")
+@click.option("--cache-dir", help="The compile cache (store) to fill; replaces the matrix's cache_dir.")
+@click.option("--model", help="Replaces the matrix's model (e.g. a local directory of configs).")
+@click.option("--sign-key", envvar="QIC_SIGNING_KEY", type=click.Path(dir_okay=False),
+              help="Ed25519 private key (PEM) to sign the entries compiled [env QIC_SIGNING_KEY].")
+@click.option("--report", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+@_friendly
+def warm(matrix, shard, dry_run, jobs, cache_dir, model, sign_key, report):
+    """Fill a compile cache from MATRIX (a build config whose keys may hold lists), from configs alone."""
+    from qic.cli.warm import run_warm
+    run_warm(matrix, {"cache_dir": cache_dir, "model": model}, shard, jobs, dry_run, sign_key, report)
+
+
+@main.group()
+def cache():
+    """Inspect and maintain a compile cache directory."""
+
+
+@cache.command("ls")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@_friendly
+def cache_ls(cache_dir):
+    """List the entries of a compile cache."""
+    from qic.cli.cache import run_cache_ls
+    run_cache_ls(cache_dir)
+
+
+@cache.command("verify")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@_friendly
+def cache_verify(cache_dir):
+    """Hash every entry's files; exit 1 if any entry is incomplete or damaged."""
+    from qic.cli.cache import run_cache_verify
+    run_cache_verify(cache_dir)
+
+
+@cache.command("prune")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.option("--max-size", required=True, help="Remove least recently used entries down to this size (e.g. 20G).")
+@_friendly
+def cache_prune(cache_dir, max_size):
+    """Shrink a compile cache to a size, least recently used entries first."""
+    from qic.cli.cache import run_cache_prune
+    run_cache_prune(cache_dir, max_size)
+
+
+@cache.command("push")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.argument("url")
+@_friendly
+def cache_push(cache_dir, url):
+    """Publish a cache directory's intact entries to hf://ORG/REPO (uploads, then one commit)."""
+    from qic.cli.cache import run_cache_push
+    run_cache_push(cache_dir, url)
+
+
+@cache.command("pull")
+@click.argument("url")
+@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.option("--public-key", "public_keys", multiple=True, help="Public key (hex or .pub file) entries must be "
+              "signed with; repeatable.")
+@click.option("--trusted", is_flag=True, help="Use the store's entries unsigned.")
+@click.option("--device", default="cpu", show_default=True, help="Pull the entries compiled for this machine and "
+              "device (inductor: cpu | cuda).")
+@_friendly
+def cache_pull(url, cache_dir, public_keys, trusted, device):
+    """Fetch hf://ORG/REPO's entries for this machine into a cache directory, verified and signed."""
+    from qic.cli.cache import run_cache_pull
+    run_cache_pull(url, cache_dir, public_keys, trusted, device)
+
+
+@cache.command("keygen")
+@click.argument("keyfile", type=click.Path(dir_okay=False))
+@_friendly
+def cache_keygen(keyfile):
+    """Make an Ed25519 signing key (KEYFILE, keep it secret) and its public key (KEYFILE.pub)."""
+    from qic.cli.cache import run_cache_keygen
+    run_cache_keygen(keyfile)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--verify", is_flag=True,
+              help="Re-hash every weight file, not only those changed since they were last verified.")
+@_friendly
+def inspect(bundle, verify):
+    """Print a bundle's manifest and check every file's hash."""
+    from qic.cli.inspect import run_inspect
+    run_inspect(bundle, full=verify)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--prompt", help="What to draw.")
+@click.option("--negative-prompt", default=None, help="What to steer away from (true CFG); default ' '.")
+@click.option("--steps", type=int, default=None, help="Denoising steps (default: the bundle's, else 20).")
+@click.option("--guidance", type=float, default=None,
+              help="True CFG scale; <= 1 turns CFG off (default: the bundle's, else 4.0).")
+@click.option("--seed", type=int, default=None, help="Noise seed (default 0).")
+@click.option("--height", type=int, help="Image height; one of the bundle's resolutions.")
+@click.option("--width", type=int, help="Image width; one of the bundle's resolutions.")
+@click.option("--aspect", help="Width:height, e.g. 16:9: the bundle's resolution of that aspect ratio.")
+@click.option("--output", "output", default=None, help="PNG file to write (default image.png).")
+@click.option("--prompts-file", type=click.Path(dir_okay=False),
+              help="Resident mode: one prompt per line, or JSONL with per-line options.")
+@click.option("--interactive", is_flag=True, help="Resident mode: read prompts from the terminal.")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
+@click.option("--device", default=None,
+              help="Where to run (default: the bundle's): cpu | cuda for inductor bundles; "
+                   "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU).")
+@click.option("--weights", "weights_from", type=click.Path(file_okay=False),
+              help="Run with another bundle's weights (same architecture: e.g. Qwen-Image-2512, a LoRA build).")
+@click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
+@click.option("--verify-all", is_flag=True,
+              help="Re-hash every weight file, not only those changed since they were last verified.")
+@_friendly
+def run(bundle, **options):
+    """Generate images with a built bundle."""
+    from qic.cli.run import run_cli
+    run_cli(bundle, options)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@_friendly
+def doctor(as_json):
+    """Which back ends, devices and compilers this machine has, and why not where not."""
+    from qic.cli.doctor import run_doctor
+    run_doctor(as_json)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
+@click.option("--queue", type=int, default=16, show_default=True, help="Images that may wait; more get 429.")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="Seconds a request may take, queueing included (504 after).")
+@click.option("--max-n", type=int, default=4, show_default=True, help="Most images one request may ask for.")
+@click.option("--max-batch", type=int, default=8, show_default=True,
+              help="Most compatible images run as one batch, where the bundle has graphs for it.")
+@_friendly
+def serve(bundle, host, port, tp, queue, timeout, max_n, max_batch):
+    """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
+    from qic.cli.serve import run_serve
+    from qic.serve.settings import Settings
+    run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch))
+

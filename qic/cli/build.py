@@ -1,0 +1,50 @@
+"""`qic build` presentation: progress bars while it works, a closing table of what was built."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from qic.cli.plan import print_plan
+from qic.cli.tables import size, wide_console
+
+
+def run_build(config, overrides) -> None:
+    from qic.builder.pipeline import build
+    from qic.spec import load_spec
+
+    spec = load_spec(config, overrides)
+    console = wide_console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        tasks = {}
+
+        def progress(stage, item, nbytes):
+            key = (stage, item)
+            if key not in tasks:
+                for t in tasks.values():
+                    bar.update(t, completed=1, total=1)
+                tasks[key] = bar.add_task(f"{stage:8} {item}", total=None)
+            elif nbytes:
+                bar.advance(tasks[key], nbytes)
+
+        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec))
+    table = Table(title=f"qic build -> {report.output}", show_lines=False)
+    for col in ("stage", "item", "result", "size", "time"):
+        table.add_column(col, justify="right" if col in ("size", "time") else "left")
+    for r in report.rows:
+        table.add_row(r.stage, r.item, "cached" if r.cached else "built", size(r.bytes), f"{r.seconds:.1f}s")
+    out = Console()
+    out.print(table)
+    total = len(report.rows)
+    out.print(f"{report.hits}/{total} from cache ({100 * report.hits // max(total, 1)}% hits), "
+              f"{report.seconds:.1f}s; bundle {'unchanged' if report.up_to_date else 'written'}: {report.output}")
+    for line in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
+
+
+def _print_plan(plan, spec) -> None:
+    """The memory plan on stdout, before any work (stderr stays for progress and errors; rich's live
+    progress display prints stdout above itself)."""
+    print_plan(plan, spec.model or "embedded:tiny", wide_console())

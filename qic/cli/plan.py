@@ -1,0 +1,48 @@
+"""`qic plan` presentation (also printed at the start of `qic build`): the memory and disk plan as tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from qic.cli.tables import size, wide_console
+
+
+def run_plan(config, overrides) -> None:
+    """CONFIG may be a YAML build config or a checkpoint directory (configs alone are enough)."""
+    from qic.builder.memplan import plan_memory
+    from qic.builder.source import resolve_configs
+    from qic.spec import load_spec
+
+    if config and Path(config).is_dir():
+        if overrides.get("model"):
+            from qic.errors import ConfigError
+            raise ConfigError(f"{config} is a model directory and --model names another",
+                              "pass one of them")
+        config, overrides = None, {**overrides, "model": str(config)}
+    spec = load_spec(config, overrides)
+    configs, raw = resolve_configs(spec.model, Path(spec.cache_dir))
+    print_plan(plan_memory(spec, configs, raw, Path(spec.cache_dir)), spec.model or "embedded:tiny", wide_console())
+
+
+def print_plan(plan, model: str, console: Console) -> None:
+    comps = Table(title=f"qic plan: {model}, tp={plan.tp}")
+    for col in ("component", "dtype", "ranks", "weights/rank", "x TP 1", "shards on disk"):
+        comps.add_column(col, justify="left" if col in ("component", "dtype") else "right")
+    for c in plan.components:
+        comps.add_row(c.name, c.dtype, str(c.ranks), size(c.bytes_per_rank), f"{c.bytes_per_rank / c.bytes_tp1:.3f}",
+                      size(c.ranks * c.bytes_per_rank))
+    graphs = Table(title="graphs (per rank; peak = weights + inputs + live activations, run eagerly)")
+    for col in ("graph", "weights", "largest activation", "peak (est.)", "compile (est.)"):
+        graphs.add_column(col, justify="left" if col == "graph" else "right")
+    for g in plan.graphs:
+        graphs.add_row(g.name, size(g.weight_bytes), size(g.largest_activation), size(g.peak),
+                       "cached" if g.cached else f"{g.compile_seconds:.0f}s")
+    console.print(comps)
+    console.print(graphs)
+    console.print(f"run: {size(plan.run_peak_per_rank)} per rank (every component resident + the largest graph); "
+                  f"disk: {size(plan.shard_disk)} shards + {size(plan.artifact_disk)} compiled graphs in the cache, "
+                  f"the bundle hard-links the shards and copies the graphs; {len(plan.graphs)} graphs, "
+                  f"compile about {plan.compile_seconds / 60:.1f} min ({plan.compile_source})")

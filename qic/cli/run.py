@@ -1,0 +1,135 @@
+"""`qic run`: one image, or resident modes (prompts file, interactive) that pay the load once."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from qic.errors import ConfigError
+from qic.parallel.ranks import init_from_env
+from qic.runtime.bundle import Bundle
+from qic.runtime.generate import Request, generate
+from qic.runtime.launch import bundle_tp, spawn_ranks, torchrun_world
+from qic.runtime.png import save_png
+
+_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output")
+
+
+def run_cli(bundle_path: str, options: dict) -> None:
+    """Check everything that can be checked before any rank starts, then serve on 1 or N ranks."""
+    modes = sum(bool(x) for x in (options.get("prompt"), options.get("prompts_file"), options.get("interactive")))
+    if modes != 1:
+        raise ConfigError("give exactly one of --prompt, --prompts-file, --interactive")
+    if options.get("prompts_file"):
+        _read_prompts(Path(options["prompts_file"]))
+    built_tp = bundle_tp(bundle_path, options.get("tp"), "run")
+    world = torchrun_world()
+    if world is not None:  # launched by torchrun: this process is one rank
+        if world != built_tp:
+            raise ConfigError(f"torchrun started {world} rank(s); the bundle was built for tp={built_tp}",
+                              f"use torchrun --nproc-per-node {built_tp}")
+        rank, world, _ = init_from_env()
+        serve(bundle_path, options, rank, world)
+    elif built_tp == 1:
+        serve(bundle_path, options, 0, 1)
+    else:
+        if options.get("interactive"):
+            raise ConfigError("--interactive runs one rank; use --prompts-file with a tensor-parallel bundle")
+        spawn_ranks(serve, built_tp, bundle_path, options, timeout=7 * 24 * 3600.0)
+
+
+def serve(bundle_path_or_rank, *args) -> None:
+    """One rank's work: load once, then every prompt. Only rank 0 writes files and prints."""
+    if isinstance(bundle_path_or_rank, int):  # spawned: (rank, world, bundle_path, options)
+        rank, world, bundle_path, options = bundle_path_or_rank, *args
+    else:
+        bundle_path, options, rank, world = bundle_path_or_rank, *args
+    base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
+    clock = _LoadClock()
+    bundle = Bundle(bundle_path, device=options.get("device"), rank=rank, world=world,
+                    verify_all=bool(options.get("verify_all")), weights_from=options.get("weights_from"))
+    verbose = options.get("verbose")
+    lead = rank == 0
+    if options.get("prompt"):
+        _one(bundle, base, 0, clock.take(), verbose, lead=lead)
+    elif options.get("prompts_file"):
+        for i, line_opts in enumerate(_read_prompts(Path(options["prompts_file"]))):
+            _one(bundle, {**base, **line_opts}, i, clock.take(), verbose, resident=True, lead=lead)
+    else:
+        i = 0
+        print("qic interactive: type a prompt, or an empty line to quit.", file=sys.stderr)
+        while True:
+            try:
+                prompt = input("prompt> ").strip()
+            except EOFError:
+                break
+            if not prompt:
+                break
+            _one(bundle, {**base, "prompt": prompt}, i, clock.take(), verbose, resident=True)
+            i += 1
+
+
+class _LoadClock:
+    """Seconds spent loading bundles since the previous prompt: the first prompt carries the load, the
+    rest carry whatever was measured meanwhile (nothing, unless something reloaded)."""
+
+    def __init__(self):
+        self.seen = Bundle.seconds_loading
+
+    def take(self) -> float:
+        now = Bundle.seconds_loading
+        spent, self.seen = now - self.seen, now
+        return spent
+
+
+def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, resident: bool = False,
+         lead: bool = True) -> None:
+    output = opts.pop("output", None) or "image.png"
+    if resident:
+        p = Path(output)
+        output = str(p.with_name(f"{p.stem}-{index:03d}{p.suffix or '.png'}"))
+    req = Request(**{k: v for k, v in opts.items() if k in Request.__dataclass_fields__})
+    result = generate(bundle, req)
+    if not lead:
+        return
+    t = time.perf_counter()
+    path = save_png(result, bundle.id, output, bundle.weights_id)
+    result.timings["save"] = time.perf_counter() - t
+    print(f"wrote {path}")
+    if verbose:
+        steps = [v for k, v in result.timings.items() if k.startswith("step")]
+        parts = [f"load {load:.3f}s", f"tokenize {result.timings['tokenize']:.3f}s",
+                 f"encode {result.timings['encode']:.3f}s"]
+        parts += [f"step{i} {s:.3f}s" for i, s in enumerate(steps)]
+        parts += [f"decode {result.timings['decode']:.3f}s", f"save {result.timings['save']:.3f}s"]
+        print("timing: " + ", ".join(parts))
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    """Plain lines are prompts; lines starting with '{' are JSON objects with per-line options."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: prompts file not found") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            unknown = sorted(set(obj) - set(_OPTION_KEYS))
+            if unknown or "prompt" not in obj:
+                raise ConfigError(f"{path}:{n}: " + (f"unknown key {unknown[0]!r}" if unknown else "no 'prompt'")
+                                  + f"; allowed keys: {', '.join(_OPTION_KEYS)}")
+            out.append(obj)
+        else:
+            out.append({"prompt": line})
+    if not out:
+        raise ConfigError(f"{path}: no prompts in the file")
+    return out

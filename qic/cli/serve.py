@@ -1,0 +1,111 @@
+"""`qic serve BUNDLE`: check, load once, bind, then serve until SIGTERM or Ctrl-C drains it.
+
+At tp=N, N ranks are spawned on loopback as `qic run --tp N` does; rank 0 serves HTTP and the others
+run what it sends them. The parent forwards SIGTERM to the ranks: rank 0 drains, then releases the
+others, and every process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+
+from qic.errors import ConfigError
+from qic.runtime.launch import bundle_tp, spawn_ranks, torchrun_world
+
+
+def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) -> None:
+    built_tp = bundle_tp(bundle_path, tp, "serve")
+    if torchrun_world() is not None:
+        raise ConfigError("qic serve starts its own ranks; do not launch it with torchrun",
+                          f"run `qic serve {bundle_path} --tp {built_tp}`")
+    for name in ("queue", "max_n", "max_batch"):
+        if getattr(settings, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if not settings.timeout > 0:
+        raise ConfigError("--timeout must be a positive number of seconds")
+    if built_tp == 1:
+        serve_rank(0, 1, bundle_path, host, port, settings)
+        return
+    signal.signal(signal.SIGTERM, _forward_to_ranks)
+    spawn_ranks(serve_rank, built_tp, bundle_path, host, port, settings, timeout=365 * 24 * 3600.0)
+
+
+def _forward_to_ranks(sig, frame) -> None:
+    """SIGTERM for the server reaches this parent: pass it on. Rank 0 drains; the others ignore it and
+    stop when rank 0 releases them."""
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, sig)
+
+
+def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, settings) -> None:
+    if rank > 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    else:
+        # Binding before loading makes a taken port a one-line error rather than a wasted load.
+        sock = _bind(host, port)
+
+    from qic.serve.queue import compute_thread
+    from qic.serve.runner import BundleRunner, control_group, follow, load_and_warm
+
+    # Rank 0 answers HTTP on this thread, so its torch work all goes to one other thread (compute_thread
+    # says why); the other ranks have nothing else to do and run it here.
+    compute = compute_thread() if rank == 0 else None
+    bundle, loaded, warmed = load_and_warm(bundle_path, rank, world, compute)
+    group = control_group(world)
+    if rank > 0:
+        follow(bundle, group)
+        return
+
+    import uvicorn
+
+    from qic.serve.app import create_app
+
+    _log_to_stderr()
+    log = logging.getLogger("qic.serve")
+    runner = BundleRunner(bundle, group, executor=compute)
+    log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s, "
+             f"warmed every graph in {warmed:.2f} s; batch sizes {list(runner.batch_sizes)} "
+             f"(up to --max-batch {settings.max_batch})")
+    # In-flight and queued requests get the request timeout to finish after SIGTERM, then are cut.
+    config = uvicorn.Config(create_app(runner, settings), access_log=False, log_config=None, lifespan="on",
+                            timeout_graceful_shutdown=int(settings.timeout) + 5)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has drained; with Python's default handler
+    # SIGTERM would then kill the process (status 143). This handler makes a drained stop exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    h, p = sock.getsockname()[:2]
+    print(f"qic serve: listening on http://{h}:{p}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        runner.close()
+    log.info("stopped")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}", "pick another --port or --host") from None
+    return sock
+
+
+def _log_to_stderr() -> None:
+    """Our lines and uvicorn's, one per line on stderr; access lines are JSON objects."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("qic.serve", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
