@@ -44,6 +44,7 @@ run: install
 	$(BIN)/qic run artifacts/tiny --prompt "$(PROMPT)" --output artifacts/tiny.png
 
 test: install xla-env workflow-lint
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q
 
 # Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.

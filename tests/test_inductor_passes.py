@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from qic.backends.inductor.build import PASSES_FILE, InductorBackend
+from qic.backends.inductor import PASSES_FILE
+from qic.backends.inductor.build import InductorBackend
 from qic.backends.inductor.passes import UnfuseCpuBiasAddmm
 
 aten = torch.ops.aten

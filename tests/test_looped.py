@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qic.builder.compile import WeightsAsInputs
+from qic.backends.inductor.build import WeightsAsInputs
 from qic.builder.graphs import denoiser_graph
 from qic.checkpoint.presets import preset
 from qic.errors import CheckpointError

@@ -19,10 +19,16 @@ import time
 from pathlib import Path
 
 from qic.cache import layout, store
-from qic.cache.remote import HUB_SCHEME
 from qic.errors import ConfigError, warn
 
 RETRIES = 6
+HUB_SCHEME = "hf://"
+
+
+def hub_repo(url) -> str | None:
+    """ORG/REPO of a Hub store's URL (hf://ORG/REPO), or None for anything else (a directory)."""
+    text = str(url)
+    return text[len(HUB_SCHEME):].strip("/") if text.startswith(HUB_SCHEME) else None
 
 
 def _prefix(gkey: str) -> str:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from qic.cache import signing, store
+from qic.cache.hub import HubRemote, hub_repo
 from qic.errors import ConfigError, warn
-
-HUB_SCHEME = "hf://"
 
 
 class DirectoryRemote:
@@ -35,12 +34,6 @@ class DirectoryRemote:
         return store.adopt(src, cache_dir, gkey, identity, self.public_keys, self.trusted, str(self))
 
 
-def hub_repo(url) -> str | None:
-    """ORG/REPO of a Hub store's URL (hf://ORG/REPO), or None for anything else (a directory)."""
-    text = str(url)
-    return text[len(HUB_SCHEME):].strip("/") if text.startswith(HUB_SCHEME) else None
-
-
 def open_remote(url: str | None, public_keys=(), trusted: bool = False):
     """The remote for a `cache_from` value: hf://ORG/REPO (Hugging Face Hub) or a directory."""
     if not url:
@@ -51,6 +44,5 @@ def open_remote(url: str | None, public_keys=(), trusted: bool = False):
                    "so every remote entry will be refused (set cache_public_keys or cache_trusted)")
     repo = hub_repo(url)
     if repo is not None:
-        from qic.cache.hub import HubRemote
         return HubRemote(repo, keys, trusted)
     return DirectoryRemote(Path(url).expanduser(), keys, trusted)

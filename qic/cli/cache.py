@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qic.cache import store
-from qic.cache.remote import hub_repo
+from qic.cache.hub import hub_repo
 from qic.cli.tables import size
 from qic.errors import ConfigError
 
