@@ -2,13 +2,14 @@
 
     .venv/bin/python -m benchmarks.depth [--size 256] [--text 32] [--runs 5] [--threads 1]
         [--looped 4,16,60] [--unrolled 4,16] [--latency 4,16] [--keep DIR]
+    .venv/bin/python -m benchmarks.depth --smoke   # depth 1 of each form, 32x32 px, one timed round
 
 One denoiser width, the real head size: 4 heads of 128 (inner dim 512, MLP 2048), joint dim 256,
 in_channels 64, RoPE axes (16, 56, 56); only num_layers varies. The graph is the build's step graph
 (qic.builder.graphs.denoiser_graph: StepGraph(DenoiseStep(...)), CFG batch of 2) at --size x --size pixels
 (VAE scale 8, so (size/16)^2 packed image tokens) and a text bucket of --text tokens, fp32, exported with
-the weights as inputs (qic.builder.compile.WeightsAsInputs) and compiled by
-qic.backends.inductor.build.InductorBackend.compile, then run through qic.backends.loaders.load_graph, as the
+the weights as inputs (qic.backends.inductor.build.WeightsAsInputs) and compiled by
+qic.backends.inductor.build.InductorBackend.compile, then run through qic.backends.inductor.load.load, as the
 build and the runtime do.
 
 Forms: `looped` (qic.models.looped.LoopedMMDiT: one scan over stacked block weights) and `unrolled`
@@ -27,7 +28,8 @@ default, all cores). The default is 1: on a shared machine a multi-threaded Open
 the cores are oversubscribed (measured here, the same depth-4 step: 0.20 s with 1 thread, 1.1-1.8 s
 with 2 threads while another job ran), which drowns the looped/unrolled difference.
 
-This is a benchmark, not a test: it prints a table and asserts nothing about speed.
+This is a benchmark, not a test: it prints a table and asserts nothing about speed. With --smoke the children
+keep inductor's caches as inherited (they prove the code runs; cold compile times are not its point).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import parse_args
 
 WIDTH = {
     "patch_size": 2, "in_channels": 64, "out_channels": 16, "attention_head_dim": 128,
@@ -89,8 +93,8 @@ def _step_graph(form: str, depth: int, size: int, text: int, reference=None):
 def _child_compile(form: str, depth: int, size: int, text: int, out_dir: Path) -> dict:
     import torch
 
-    from qic.backends.inductor.build import InductorBackend
-    from qic.builder.compile import WeightsAsInputs
+    from qic.backends.base import Traced
+    from qic.backends.inductor.build import InductorBackend, WeightsAsInputs
 
     module, names, weights, args = _step_graph(form, depth, size, text)
     t0 = time.perf_counter()
@@ -98,7 +102,7 @@ def _child_compile(form: str, depth: int, size: int, text: int, out_dir: Path) -
         program = torch.export.export(WeightsAsInputs(module, names), (tuple(args), weights))
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compiled = InductorBackend("cpu").compile(program, out_dir)
+    compiled = InductorBackend("cpu").compile(Traced(None, names, program), out_dir)
     compile_s = time.perf_counter() - t0
     return {"export_s": export_s, "compile_s": compile_s, "pt2_bytes": (out_dir / compiled.file).stat().st_size}
 
@@ -106,8 +110,8 @@ def _child_compile(form: str, depth: int, size: int, text: int, out_dir: Path) -
 def _child_latency(depth: int, size: int, text: int, runs: int, work: Path) -> dict:
     """Both forms of one depth in one process, timed in alternation so that they share the machine's noise."""
     import torch
-    from qic.backends.loaders import load_graph
 
+    from qic.backends.inductor.load import load
     from qic.models.mmdit import MMDiTConfig, QwenMMDiT
 
     torch.manual_seed(0)
@@ -123,7 +127,7 @@ def _child_latency(depth: int, size: int, text: int, runs: int, work: Path) -> d
     runners, out = {}, {}
     for form in FORMS:
         module, _, weights, args = _step_graph(form, depth, size, text, reference)
-        runners[form] = load_graph("inductor", work / f"{form}-{depth}" / "graph.pt2", weights, "cpu")
+        runners[form] = load(work / f"{form}-{depth}" / "graph.pt2", weights, "cpu")
     with torch.no_grad():
         want = _step_graph("unrolled", depth, size, text, reference)[0](*args)
         times = {form: [] for form in FORMS}
@@ -145,17 +149,20 @@ def _child_latency(depth: int, size: int, text: int, runs: int, work: Path) -> d
 # ------------------------------------------------------------------------------------------ parent
 
 FORMS = ("looped", "unrolled")
+SMOKE = {"size": 32, "text": 8, "runs": 1, "looped": [1], "unrolled": [1], "latency": [1], "threads": 1}
 
 
 def _spawn(child_args: list[str], args, work: Path, threads: int = 0) -> dict:
-    cache = Path(tempfile.mkdtemp(prefix="inductor-", dir=work))
-    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    env = dict(os.environ)
+    if not args.smoke:  # cold compiles: no cache serves a later depth the block body an earlier one compiled
+        cache = Path(tempfile.mkdtemp(prefix="inductor-", dir=work))
+        env.update(TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", TORCHINDUCTOR_CACHE_DIR=str(cache))
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     result_file = Path(tempfile.mkstemp(suffix=".json", dir=work)[1])
     cmd = [sys.executable, "-m", "benchmarks.depth", "--child", *child_args, str(result_file), "--work", str(work),
            "--size", str(args.size), "--text", str(args.text), "--runs", str(args.runs)]
-    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(child_args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(result_file.read_text())
@@ -173,7 +180,7 @@ def main(argv=None) -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the packages in this directory")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv, SMOKE)
 
     if args.child:
         kind, *rest, result_file = args.child

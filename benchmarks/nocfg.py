@@ -1,6 +1,7 @@
 """No-CFG step graph vs the CFG step graph at guidance 1, per image, in one run.
 
-    python -m benchmarks.nocfg [--preset small] [--steps 8] [--images 5]
+    python -m benchmarks.nocfg [--preset small] [--steps 8] [--images 5] [--dir DIR] [--cache-dir DIR]
+    python -m benchmarks.nocfg --smoke   # the tiny preset, 2 steps (the fewest the scheduler takes), 1 image, under a temporary directory
 
 Builds the embedded preset with both step graphs (`cfg: [true, false]`) into artifacts/bench-nocfg/, then
 times whole images at guidance 1: with the no-CFG graph (batch 1, what `qic run` picks) and with the
@@ -20,16 +21,20 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import parse_args, smoke_dir
+
 PROMPT = "a red bicycle leaning against a blue wall"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.nocfg")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--images", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=Path("artifacts/bench-nocfg"))
-    args = ap.parse_args()
+    ap.add_argument("--cache-dir", type=Path, help="qic's compile cache (default: DIR/cache)")
+    args = parse_args(ap, argv, {"preset": "tiny", "steps": 2, "images": 1, "dir": None})
+    args.dir = args.dir or smoke_dir("nocfg")
 
     import numpy as np
 
@@ -42,12 +47,12 @@ def main() -> None:
     config = args.dir / "build.yaml"
     config.write_text(json.dumps({"model": str(ckpt), "resolutions": [f"{h}x{w}"], "text_buckets": 128,
                                   "cfg": [True, False], "output": str(args.dir / "bundle"),
-                                  "cache_dir": str(args.dir / "cache")}))
+                                  "cache_dir": str(args.cache_dir or args.dir / "cache")}))
     subprocess.run([sys.executable, "-m", "qic.cli", "build", str(config)], check=True, capture_output=True)
 
     b = Bundle(args.dir / "bundle")
     forced = Bundle(args.dir / "bundle")
-    forced.has_graph = lambda component, resolution=None, bucket=None, cfg=True: cfg  # hide the no-CFG graph
+    forced.has_graph = lambda component, resolution=None, bucket=None, cfg=True, batch=1: cfg  # hide the no-CFG graph
     req = dict(prompt=PROMPT, steps=args.steps, guidance=1.0, seed=0, height=h, width=w)
     images = {}
     times: dict[str, list] = {"no-CFG graph (batch 1)": [], "CFG graph (batch 2)": []}

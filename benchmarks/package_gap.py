@@ -1,9 +1,10 @@
 """Does the AOTInductor package run the real-width step slower than inductor's in-process compile?
 
-    python -m benchmarks.package_gap [--size 512] [--depth 1] [--runs 7]
+    python -m benchmarks.package_gap [--size 512] [--depth 1] [--runs 7] [--tiny]
+    python -m benchmarks.package_gap --smoke   # the embedded tiny model's widths, 32x32, 1 run
 
 One step graph (benchmarks.step_profile.step_module: real widths, CFG batch 2, bucket 128), with its
-weights as inputs as qic exports it (qic.builder.compile.WeightsAsInputs), compiled three ways with qic's
+weights as inputs as qic exports it (qic.backends.inductor.build.WeightsAsInputs), compiled three ways with qic's
 inductor options and timed in alternation in one process:
 - inproc: torch.compile, inductor's Python wrapper (what step_profile measures);
 - inproc_cpp: torch.compile with cpp_wrapper, the C++ wrapper AOTInductor also emits, run in-process;
@@ -21,15 +22,15 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import parse_args
 from benchmarks.step_profile import step_module
-from qic.backends.inductor.build import compile_options
-from qic.builder.compile import WeightsAsInputs
+from qic.backends.inductor.build import WeightsAsInputs, compile_options
 
 
-def variants(size: int, depth: int, workdir: Path) -> tuple[dict, dict]:
+def variants(size: int, depth: int, workdir: Path, tiny: bool = False) -> tuple[dict, dict]:
     """name -> zero-argument callable running one step; name -> rel-L2 against eager."""
     from torch._inductor import aoti_compile_and_package
-    module, inputs = step_module(size, 128, depth)
+    module, inputs = step_module(size, 128, depth, tiny)
     tensors = dict(module.named_parameters()) | dict(module.named_buffers())
     names, weights = list(tensors), list(tensors.values())
     wrapped = WeightsAsInputs(module, names).eval()
@@ -59,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--runs", type=int, default=7)
-    args = ap.parse_args(argv)
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny model's widths instead of the real ones")
+    args = parse_args(ap, argv, {"size": 32, "depth": 1, "runs": 1, "tiny": True})
     with tempfile.TemporaryDirectory() as tmp:
-        fns, errors = variants(args.size, args.depth, Path(tmp))
+        fns, errors = variants(args.size, args.depth, Path(tmp), args.tiny)
         walls: dict[str, list[float]] = {n: [] for n in fns}
         with torch.no_grad():
             for _ in range(args.runs):   # alternating: the machine's load drifts between runs
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
                     fn()
                     walls[name].append(time.perf_counter() - t0)
     base = statistics.median(walls["inproc"])
-    print(f"real width, depth {args.depth}, {args.size}x{args.size}, bucket 128, CFG batch 2, fp32, "
+    print(f"{'tiny' if args.tiny else 'real'} width, depth {args.depth}, {args.size}x{args.size}, bucket 128, CFG batch 2, fp32, "
           f"{torch.get_num_threads()} threads; medians of {args.runs} alternating runs")
     print("| variant | step (median) | / inproc | rel-L2 vs eager |\n|---|--:|--:|--:|")
     for name, w in walls.items():

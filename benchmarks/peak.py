@@ -1,6 +1,7 @@
 """Measured peak memory of running one graph eagerly, to hold `qic plan`'s estimates to (qic.builder.memplan).
 
     python -m benchmarks.peak PRESET '[["denoiser", {"resolution": [256, 256], "bucket": 128}], ...]'
+    python -m benchmarks.peak --smoke   # the tiny preset's three graphs, through measure(), as a table
 
 Runs in its own process (the parent sets the allocator environment, see `measure`) and prints one JSON
 list. Per graph, in turn: builds the component from an embedded preset's configs with random fp32
@@ -15,6 +16,7 @@ counters are batched (per-CPU, tens of pages), so graphs whose peak is under a f
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -43,7 +45,7 @@ def _measure_here(preset_name: str, component: str, shape: dict) -> dict:
     import torch
 
     from qic.builder.components import COMPONENTS
-    from qic.builder.pipeline import make_graph
+    from qic.builder.jobs import make_graph
     from qic.checkpoint.presets import preset
 
     torch.set_num_threads(1)
@@ -91,5 +93,28 @@ def measure(preset_name: str, graphs: list[tuple[str, dict]]) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+SMOKE_GRAPHS = [["text_encoder", {"bucket": 72}], ["denoiser", {"resolution": [48, 80], "bucket": 72}],
+                ["vae_decoder", {"resolution": [48, 80]}]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks import parse_args
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.peak", description=__doc__.splitlines()[0])
+    ap.add_argument("preset", nargs="?", help="an embedded preset (tiny, small, ...)")
+    ap.add_argument("graphs", nargs="?", help='JSON list of [component, shape], e.g. [["vae_decoder", '
+                                               '{"resolution": [256, 256]}]]')
+    args = parse_args(ap, argv, {})
+    if not args.smoke:   # the measuring process (started by `measure`): one JSON line
+        if not (args.preset and args.graphs):
+            ap.error("PRESET and GRAPHS are required (or --smoke)")
+        print(json.dumps([_measure_here(args.preset, c, s) for c, s in json.loads(args.graphs)]))
+        return
+    rows = measure(args.preset or "tiny", json.loads(args.graphs) if args.graphs else SMOKE_GRAPHS)
+    print("| preset | graph | weights MB | activations MB | peak MB |\n|---|---|--:|--:|--:|")
+    for r in rows:
+        print(f"| {r['preset']} | {r['graph']} | {r['weights'] / 1e6:.2f} | {r['activations'] / 1e6:.2f} | "
+              f"{r['peak'] / 1e6:.2f} |")
+
+
 if __name__ == "__main__":
-    print(json.dumps([_measure_here(sys.argv[1], c, s) for c, s in json.loads(sys.argv[2])]))
+    main()

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "qwen-image-configs"
 PROMPT = "a red bicycle leaning against a blue wall"
 GUIDANCE = 4.0
@@ -119,7 +119,7 @@ def step_flops(configs: dict, h: int, w: int, bucket: int, cfg: bool = True) -> 
     from torch.utils.flop_counter import FlopCounterMode
 
     from qic.builder.components import COMPONENTS
-    from qic.builder.pipeline import make_graph
+    from qic.builder.jobs import make_graph
     parsed = {n: c.parse_config(configs[c.folder]) for n, c in COMPONENTS.items()}
     shape = {"resolution": [h, w], "bucket": bucket} | ({} if cfg else {"cfg": False})
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -1,10 +1,11 @@
 """Benchmark of `qic build` stage 1 (shard) against a plain copy of the same bytes.
 
-    .venv/bin/python -m benchmarks.shard [--gb 4.2] [--dir artifacts/bench] [--keep]
+    .venv/bin/python -m benchmarks.shard [--gb 4.2] [--dir artifacts/bench] [--keep] [--tiny]
+    .venv/bin/python -m benchmarks.shard --smoke   # --tiny, one block, one round, no drop_caches, temporary dir
 
 Writes (or reuses) a synthetic diffusers-layout checkpoint whose `transformer/` holds a Qwen-Image
-denoiser at the real width (24 heads of 128, joint dim 3584) with as many blocks as it takes to reach
---gb (decimal GB) of bf16 tensors, in ~2 GB safetensors shards plus their index. The bytes are random
+denoiser at the real width (24 heads of 128, joint dim 3584; --tiny: the embedded tiny model's) with as many
+blocks as it takes to reach --gb (decimal GB) of bf16 tensors, in ~2 GB safetensors shards plus their index. The bytes are random
 but finite bf16 values, written streaming (one 32 MB chunk in memory at a time).
 
 Then each measurement runs in a child process of its own, whose peak RSS (VmHWM of /proc/self/status
@@ -42,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import parse_args, smoke_dir
+
 GENERATOR_VERSION = 1
 MARKER = ".qic-bench.json"
 STEM = "diffusion_pytorch_model"
@@ -71,23 +74,29 @@ SHARD_RUNS = {"bf16": (1, "bfloat16"), "warm": (1, "bfloat16"), "f32": (1, "floa
 # The synthetic checkpoint
 
 
-def transformer_config(layers: int) -> dict:
-    return dict(REAL_WIDTH, num_layers=int(layers))
+def tiny_width() -> dict:
+    """The embedded tiny preset's transformer config (--tiny, --smoke); its num_layers is replaced."""
+    from qic.checkpoint.presets import preset
+    return preset("tiny")["transformer"]
 
 
-def _tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+def transformer_config(layers: int, width: dict = REAL_WIDTH) -> dict:
+    return dict(width, num_layers=int(layers))
+
+
+def _tensors(layers: int, width: dict = REAL_WIDTH) -> list[tuple[str, tuple[int, ...]]]:
     from qic.checkpoint.tensor_names import transformer_tensors
-    return transformer_tensors(transformer_config(layers))
+    return transformer_tensors(transformer_config(layers, width))
 
 
 def _numel(shape) -> int:
     return math.prod(int(d) for d in shape)
 
 
-def layers_for(gb: float) -> int:
+def layers_for(gb: float, width: dict = REAL_WIDTH) -> int:
     """Fewest blocks whose bf16 tensors total at least `gb` decimal GB."""
-    base = sum(2 * _numel(s) for _, s in _tensors(0))
-    block = sum(2 * _numel(s) for _, s in _tensors(1)) - base
+    base = sum(2 * _numel(s) for _, s in _tensors(0, width))
+    block = sum(2 * _numel(s) for _, s in _tensors(1, width)) - base
     return max(1, math.ceil((gb * GB - base) / block))
 
 
@@ -143,17 +152,21 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], r
     return 8 + len(raw) + offset
 
 
-def _marker(layers: int, seed: int) -> dict:
-    return {"generator": "benchmarks.shard", "generator_version": GENERATOR_VERSION, "num_layers": layers,
-            "seed": seed}
+def _marker(layers: int, seed: int, width: dict = REAL_WIDTH) -> dict:
+    marker = {"generator": "benchmarks.shard", "generator_version": GENERATOR_VERSION, "num_layers": layers,
+              "seed": seed}
+    if width != REAL_WIDTH:   # (the real width's markers predate the key)
+        marker["width"] = {k: v for k, v in sorted(width.items()) if k != "num_layers"}
+    return marker
 
 
-def checkpoint_complete(root: Path, layers: int, seed: int = 0) -> bool:
+def checkpoint_complete(root: Path, layers: int, seed: int = 0, width: dict = REAL_WIDTH) -> bool:
     try:
         m = json.loads((root / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    if {k: m.get(k) for k in _marker(layers, seed)} != _marker(layers, seed):
+    want = _marker(layers, seed, width)
+    if {k: m.get(k) for k in [*want, "width"]} != {"width": None, **want}:
         return False
     try:
         return all((root / rel).stat().st_size == size for rel, size in m["files"].items())
@@ -161,7 +174,7 @@ def checkpoint_complete(root: Path, layers: int, seed: int = 0) -> bool:
         return False
 
 
-def write_checkpoint(root: Path, layers: int, seed: int = 0, log=print) -> Path:
+def write_checkpoint(root: Path, layers: int, seed: int = 0, log=print, width: dict = REAL_WIDTH) -> Path:
     """Write (or reuse) the synthetic checkpoint at root; built beside it and renamed into place."""
     import numpy as np
 
@@ -169,7 +182,7 @@ def write_checkpoint(root: Path, layers: int, seed: int = 0, log=print) -> Path:
     from qic.checkpoint.presets import QWEN_IMAGE_SCHEDULER
 
     root = Path(root).absolute()
-    if checkpoint_complete(root, layers, seed):
+    if checkpoint_complete(root, layers, seed, width):
         log(f"reusing the synthetic checkpoint in {root}")
         return root
     if root.exists():
@@ -183,9 +196,9 @@ def write_checkpoint(root: Path, layers: int, seed: int = 0, log=print) -> Path:
         _write_durable(tmp / "scheduler" / "scheduler_config.json", _json_bytes(QWEN_IMAGE_SCHEDULER))
         d = tmp / "transformer"
         d.mkdir()
-        _write_durable(d / "config.json", _json_bytes(transformer_config(layers)))
+        _write_durable(d / "config.json", _json_bytes(transformer_config(layers, width)))
         rng = np.random.default_rng(seed)
-        groups = _groups(_tensors(layers))
+        groups = _groups(_tensors(layers, width))
         weight_map, total = {}, 0
         for k, group in enumerate(groups, 1):
             fname = f"{STEM}-{k:05d}-of-{len(groups):05d}.safetensors"
@@ -196,7 +209,7 @@ def write_checkpoint(root: Path, layers: int, seed: int = 0, log=print) -> Path:
         _write_durable(d / f"{STEM}.safetensors.index.json",
                        _json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map}))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        marker = dict(_marker(layers, seed), files={p.relative_to(tmp).as_posix(): p.stat().st_size for p in files})
+        marker = dict(_marker(layers, seed, width), files={p.relative_to(tmp).as_posix(): p.stat().st_size for p in files})
         _write_durable(tmp / MARKER, _json_bytes(marker))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         os.rename(tmp, root)
@@ -353,7 +366,7 @@ def run_child(spec: dict, inputs: list[Path], use_proc: bool, drop: bool = True,
     os.close(fd)
     try:
         env = dict(os.environ)
-        repo = str(Path(__file__).resolve().parents[2])
+        repo = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cached0 = _meminfo_kb("Cached")
         p = subprocess.Popen([sys.executable, "-m", "benchmarks.shard", "--child", json.dumps(spec), result_path],
@@ -372,9 +385,9 @@ def verify(ckpt_root: Path, result: dict, tp: int, dtype: str) -> str:
     """Spot-check one rank's output: the largest tensor, a row-split and a column-split one."""
     import torch
 
-    from qic.builder.shard import TORCH_DTYPES
     from qic.checkpoint.reader import Checkpoint
     from qic.checkpoint.safetensors_file import read_header, read_tensor
+    from qic.dtypes import TORCH_DTYPES
     from qic.parallel import plans
 
     src = Checkpoint(ckpt_root).weights("transformer").tensors
@@ -491,8 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-drop-caches", action="store_true",
                     help="do not write /proc/sys/vm/drop_caches (posix_fadvise DONTNEED is still used)")
     ap.add_argument("--json", type=Path, help="also write the raw figures to this file")
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny model's width instead of the real one")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv, {"tiny": True, "gb": 0.0, "dir": None, "repeat": 1, "settle": 0.0,
+                                 "no_drop_caches": True})
+    args.dir = args.dir or smoke_dir("shard")
     if args.child:
         child_main(json.loads(args.child[0]), args.child[1])
         return 0
@@ -507,15 +523,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeat must be at least 1")
     command = ".venv/bin/python -m benchmarks.shard " + " ".join(argv if argv is not None else sys.argv[1:])
     work = args.dir.absolute()
-    layers = layers_for(args.gb)
-    ckpt_root = work / f"ckpt-{layers}L"
-    tensors = _tensors(layers)
+    width = tiny_width() if args.tiny else REAL_WIDTH
+    layers = layers_for(args.gb, width)
+    ckpt_root = work / f"ckpt-{layers}L{'-tiny' if args.tiny else ''}"
+    tensors = _tensors(layers, width)
     ckpt_bytes = sum(2 * _numel(s) for _, s in tensors)
     big_name, big_shape = max(tensors, key=lambda t: _numel(t[1]))
     big = 2 * _numel(big_shape)
-    print(f"synthetic denoiser: real width, {layers} blocks, {len(tensors)} tensors, {ckpt_bytes / GB:.2f} GB bf16")
+    print(f"synthetic denoiser: {'tiny' if args.tiny else 'real'} width, {layers} blocks, {len(tensors)} tensors, {ckpt_bytes / GB:.2f} GB bf16")
     print(f"largest tensor: {big_name} {list(big_shape)} = {_mb(big)} MiB in bf16, {_mb(2 * big)} MiB in float32")
-    ckpt_root = write_checkpoint(ckpt_root, layers)
+    ckpt_root = write_checkpoint(ckpt_root, layers, width=width)
     inputs = shard_files(ckpt_root)
     print(f"checkpoint: {len(inputs)} shard files, {sum(p.stat().st_size for p in inputs) / GB:.2f} GB, in {ckpt_root}")
 

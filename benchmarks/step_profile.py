@@ -1,8 +1,9 @@
 """Where a compiled denoise step's time goes at the real width: matmuls, attention, and the rest.
 
     python -m benchmarks.step_profile [--size 512] [--bucket 128] [--depth 1] [--runs 3]
+    python -m benchmarks.step_profile --smoke   # the embedded tiny model's widths, 32x32, 1 run
 
-Builds the step graph qic compiles (qic.builder.pipeline.make_graph: CFG batch 2, text padded to the
+Builds the step graph qic compiles (qic.builder.jobs.make_graph: CFG batch 2, text padded to the
 bucket, random weights of the real widths from tests/fixtures/qwen-image-configs, depth cut), compiles it
 with inductor (the kernels AOTInductor emits for the same graph, run in-process so the profiler sees
 them), and profiles `--runs` steps. Each profiler event's self time (its time less its children's) is
@@ -26,6 +27,7 @@ from collections import defaultdict
 
 import torch
 
+from benchmarks import parse_args
 from benchmarks.realwidth import CONFIGS, reduced_configs
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "mkl_linear",
@@ -56,10 +58,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def step_module(size: int, bucket: int, depth: int):
+def tiny_configs(depth: int) -> dict:
+    """The embedded tiny preset's component configs (by folder) with `depth` transformer blocks: --smoke's."""
+    from qic.checkpoint.presets import preset
+    configs = preset("tiny")
+    configs["transformer"]["num_layers"] = depth
+    return configs
+
+
+def step_module(size: int, bucket: int, depth: int, tiny: bool = False):
+    """(step graph module, inputs) at the real widths, or the embedded tiny model's (`tiny`)."""
     from qic.builder.components import COMPONENTS
-    from qic.builder.pipeline import make_graph
-    configs = reduced_configs(CONFIGS, depth)
+    from qic.builder.jobs import make_graph
+    configs = tiny_configs(depth) if tiny else reduced_configs(CONFIGS, depth)
     parsed = {n: c.parse_config(configs[c.folder]) for n, c in COMPONENTS.items()}
     torch.manual_seed(0)
     module = COMPONENTS["denoiser"].make_module(parsed["denoiser"], tp_size=1).eval()
@@ -79,15 +90,15 @@ def step_module(size: int, bucket: int, depth: int):
     return gdef.module.eval(), inputs
 
 
-def profile(size: int, bucket: int, depth: int, runs: int) -> dict:
+def profile(size: int, bucket: int, depth: int, runs: int, tiny: bool = False) -> dict:
     """Both variants compiled from one module, timed in alternation (the machine's load drifts), then each
     profiled: `before` with inductor's configs alone, `after` with qic's CPU pass (qic.backends.inductor.build)."""
     import torch._inductor.config as inductor_config
 
     from qic.backends.inductor.build import compile_options
     inductor_config.cpp.enable_kernel_profile = True   # each generated kernel becomes a profiler event
-    module, inputs = step_module(size, bucket, depth)
-    res = {"size": size, "bucket": bucket, "depth": depth, "variants": {}}
+    module, inputs = step_module(size, bucket, depth, tiny)
+    res = {"size": size, "bucket": bucket, "depth": depth, "tiny": tiny, "variants": {}}
     compiled = {}
     with torch.no_grad():
         eager = module(*inputs)
@@ -135,7 +146,7 @@ def _breakdown(fn, inputs, runs: int) -> dict:
 
 def report(res: dict, rate: float) -> str:
     b, a = res["variants"]["before"], res["variants"]["after"]
-    lines = [f"real width, depth {res['depth']}, {res['size']}x{res['size']}, text bucket {res['bucket']}, CFG "
+    lines = [f"{'tiny' if res.get('tiny') else 'real'} width, depth {res['depth']}, {res['size']}x{res['size']}, text bucket {res['bucket']}, CFG "
              f"batch 2, fp32; 2048^3 fp32 matmul in the same run: {rate / 1e9:.1f} GFLOP/s",
              f"step, median of {len(b['walls'])} alternating runs: before {b['step_s']:.3f} s, after "
              f"{a['step_s']:.3f} s ({b['step_s'] / a['step_s']:.3f}x); vs eager rel-L2 {b['rel_l2']:.1e} / "
@@ -165,9 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket", type=int, default=128)
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)
-    args = ap.parse_args(argv)
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny model's widths instead of the real ones")
+    args = parse_args(ap, argv, {"size": 32, "depth": 1, "runs": 1, "tiny": True})
     rate = matmul_rate()
-    res = profile(args.size, args.bucket, args.depth, args.runs)
+    res = profile(args.size, args.bucket, args.depth, args.runs, args.tiny)
     print(report(res, (rate + matmul_rate()) / 2))   # the rate before and after, averaged: it drifts
 
 

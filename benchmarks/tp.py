@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.tp [--layers 4] [--heads 8] [--head-dim 64] [--grid 16x16] [--text 64]
                                      [--threads 2] [--steps 5] [--warmup 2] [--compiled]
+    .venv/bin/python -m benchmarks.tp --smoke   # 1 block of 2 x 32, 2x2 grid, 8 text tokens, 1 step (eager)
 
 A synthetic Qwen-Image denoiser (diffusers layout, `--heads` x `--head-dim` wide, `--layers` blocks,
 joint dim = inner dim) runs one CFG-batched forward (batch 2: `--grid` packed image tokens plus
@@ -11,8 +12,8 @@ spawned on loopback with gloo (qic.parallel.tp.spawn):
 
 - `tp1`: one rank with `--threads` threads (`tp1-half-threads`: with half of them, for scale);
 - `tp2`: two ranks with `--threads // 2` threads each (the same cores in total), all_reduce inside;
-- `tp2-noreduce`: tp2 with every reduction removed: compute alone, a wrong result, so the gap to tp2
-  is what the all_reduces cost.
+- `tp2-noreduce`: tp2 with every all_reduce removed (the all_gathers stay: the shapes need them):
+  compute alone, a wrong result, so the gap to tp2 is what the all_reduces cost.
 
 The table gives the median seconds per step (rank 0's, after a barrier; ranks are in lock-step through
 their all_reduces) and the range over `--steps`, plus the output's rel-L2 against tp1. A benchmark,
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks import parse_args
 
 
 def _config(args) -> dict:
@@ -65,8 +68,10 @@ def _rank(rank: int, tp: int, spec: dict) -> dict:
     module = QwenMMDiT(cfg, tp).eval()
     module.load_state_dict(T.shard_state_dict("denoiser", load_file(spec["weights"]), rank, tp))
     T.apply_tp(module)
-    if spec["noreduce"]:
-        T.clear_tp(module)
+    if spec["noreduce"]:  # the all_reduces only: the all_gathers (column-parallel modulation) make the shapes
+        for m in module.modules():
+            if "reduce" in vars(m):
+                delattr(m, "reduce")   # back to the class default, no reduction (as T.clear_tp does for both)
     inputs = _inputs(cfg, *spec["grid"], spec["text"])
     if spec["compiled"]:
         run = _compiled(rank, module, inputs, Path(spec["workdir"]) / f"tp{tp}{'-noreduce' * spec['noreduce']}")
@@ -87,9 +92,9 @@ def _rank(rank: int, tp: int, spec: dict) -> dict:
 
 def _compiled(rank: int, module, inputs, work: Path):
     """Rank 0 compiles (torch.export of weights-as-inputs + AOTInductor); every rank loads the package."""
-    from qic.backends.inductor.build import InductorBackend
+    from qic.backends.base import Traced
+    from qic.backends.inductor.build import InductorBackend, WeightsAsInputs
     from qic.backends.inductor.load import load
-    from qic.builder.compile import WeightsAsInputs
 
     names = [n for n, _ in module.named_parameters()]
     weights = dict(module.named_parameters())
@@ -110,7 +115,7 @@ def _compiled(rank: int, module, inputs, work: Path):
         full_names = ["m." + n for n in names]
         with torch.no_grad():
             program = torch.export.export(WeightsAsInputs(wrapped, full_names), (args, [weights[n] for n in names]))
-        InductorBackend("cpu").compile(program, work)
+        InductorBackend("cpu").compile(Traced(None, names, program), work)
         done.write_text("ok")
     else:
         while not done.exists():
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compiled", action="store_true", help="AOTInductor packages instead of eager")
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv, {"layers": 1, "heads": 2, "head_dim": 32, "grid": "2x2", "text": 8, "steps": 1,
+                                 "warmup": 0})
 
     from safetensors.torch import save_file
 

@@ -25,7 +25,7 @@ from qic.builder.graphs import denoiser_graph, text_encoder_graph, vae_decoder_g
 from qic.checkpoint import presets
 from qic.models.looped import stack_block_weights
 
-REAL_CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "qwen-image-configs"
+REAL_CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen-image-configs"
 HOST_TRANSFER_OPS = ("send", "recv", "send-done", "recv-done", "infeed", "outfeed")
 
 
@@ -65,11 +65,11 @@ def _graph(component: str, module, cfgs, res=(48, 80), bucket=128, dtype="float3
 def tp_check(tp: int) -> dict:
     """Each TP component's looped graph at TP=tp: lowered, executed on tp XLA:CPU devices with every
     rank's own weight shard, compared with the TP=1 eager module on the same (unsharded) weights."""
-    from qic.builder.pipeline import _fake_world
+    from qic.builder.binding import fake_world
     from qic.parallel.tp import apply_tp, shard_state_dict
     # The tiny text encoder has 2 key/value heads (TP may not exceed them): give it as many as ranks.
     cfgs = _configs(text_encoder={"num_key_value_heads": max(tp, 2)})
-    _fake_world(tp)
+    fake_world(tp)
     out = {}
     for component, prefix in (("denoiser", "transformer_blocks"), ("text_encoder", "model.layers")):
         comp, cfg = COMPONENTS[component], cfgs[component]

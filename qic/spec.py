@@ -13,13 +13,14 @@ from pathlib import Path
 import yaml
 
 from qic import backends
+from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
 from qic.host.schedule import check_overrides
 
 BACKENDS = backends.NAMES
 COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
-DTYPES = ("float32", "bfloat16", "float16")   # qic.dtypes.TORCH_DTYPES, without importing torch
+DTYPES = tuple(TORCH_DTYPES)
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",

@@ -16,6 +16,7 @@ from qic.builder.source import resolve_configs
 from qic.checkpoint.presets import preset
 from qic.cli import main
 from qic.spec import parse_spec
+from tests.conftest import BUCKETS, TINY_RES, qic
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "tests" / "fixtures" / "qwen-image-configs"   # the public Qwen/Qwen-Image configs, no weights
@@ -111,12 +112,24 @@ def test_compile_estimate_from_cache_records(tmp_path):
     assert by["text_encoder"].compile_seconds == DEFAULT_COMPILE_SECONDS and not by["text_encoder"].cached
     # Memoise the text encoder's graph as a build would (spec key -> graph key -> meta.json).
     from qic.builder.memplan import _spec_keys
-    skey = _spec_keys(spec, raw)["text_encoder@L128"]
+    skey = _spec_keys(spec, configs, raw)["text_encoder@L128"]
     (tmp_path / "index").mkdir()
     (tmp_path / "index" / skey).write_text("fake0")
     plan = plan_memory(spec, configs, raw, tmp_path)
     te = next(g for g in plan.graphs if g.component == "text_encoder")
     assert te.cached and te.compile_seconds == 0.0
+
+
+def test_plan_after_a_build_shows_that_builds_graphs_cached(bundle, tiny_ckpt, cache_dir):
+    """The real keys, as the build wrote them: the session bundle's build, then `qic plan` with its flags.
+    A resolution no test builds is planned alongside: it must not show as cached."""
+    proc = qic("plan", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--resolution", "{}x{}".format(*TINY_RES),
+               "--resolution", "96x96", "--text-buckets", ",".join(map(str, BUCKETS)))
+    rows = {line.split()[1]: line for line in proc.stdout.splitlines() if "@" in line and line.startswith("│")}
+    built = [n for n in rows if "96x96" not in n]
+    assert len(built) == 2 + 2 + 1, rows   # text encoder per bucket, denoiser per bucket, VAE decoder
+    assert all(rows[n].rstrip(" │").endswith("cached") for n in built), proc.stdout
+    assert not any(rows[n].rstrip(" │").endswith("cached") for n in rows if "96x96" in n), proc.stdout
 
 
 def test_build_prints_the_plan_before_any_work(tmp_path):

@@ -121,3 +121,11 @@ def test_lora_flags_and_config_entries():
     assert parse_spec({}).cfg == (True,)
     with pytest.raises(ConfigError, match="cfg must be"):
         parse_spec({"cfg": "yes"})
+
+
+def test_the_default_build_needs_no_config_file_and_is_configs_tiny_yaml(tmp_path, monkeypatch):
+    """`qic build` with no config reads no file (an installed qic has no configs/ beside it); the
+    repository's configs/tiny.yaml spells out the same spec."""
+    from qic.spec import load_spec
+    monkeypatch.chdir(tmp_path)
+    assert load_spec() == load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")

@@ -1,0 +1,70 @@
+"""qic installed as a user installs it (`pip install .`, not editable) builds and runs the default from any
+directory: nothing it needs lives outside the package (no configs/ beside it, no benchmarks in it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+PROMPT = "a red bicycle"
+
+
+def _sources(dest: Path) -> Path:
+    """The tracked files only (what a release holds), so the wheel build writes nothing into the checkout."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if f.startswith(("qic/", "pyproject.toml", "README.md")):
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    return dest
+
+
+def _fresh_venv(path: Path) -> Path:
+    """A new virtual environment whose dependencies come from this one's site-packages by a path entry (no
+    download); this one's editable qic is not among them: a .pth line adds a directory to sys.path
+    without running that directory's own .pth files, where the editable install's finder hooks in."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    site = Path(subprocess.run([str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
+    (site / "_qic_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return path / "bin"
+
+
+def _qic(bin_dir: Path, cwd: Path, *args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([str(bin_dir / "qic"), *map(str, args)], cwd=cwd, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp_path, bundle, cache_dir):
+    """`bundle` fills the session cache with the default graphs (48x80, bucket 128), so both builds below
+    compile nothing; the installed copy computes the same spec keys, since its files are the package's."""
+    bin_dir = _fresh_venv(tmp_path / "venv")
+    src = _sources(tmp_path / "src")
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    str(src)], check=True, capture_output=True)
+    where = subprocess.run([str(bin_dir / "python"), "-c", "import qic, importlib.util as u; print(qic.__file__); "
+                            "print(u.find_spec('benchmarks'))"], cwd=tmp_path, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert where[0].startswith(str(tmp_path / "venv")) and "site-packages" in where[0], where  # not editable
+    assert where[1] == "None", "benchmarks/ must stay out of the wheel"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _qic(bin_dir, empty, "build", "--cache-dir", cache_dir)
+    _qic(bin_dir, empty, "run", "artifacts/tiny", "--prompt", PROMPT, "--steps", "3", "--output", "installed.png")
+
+    # The same default through the checkout's own qic, in another empty directory: the same bytes.
+    other = tmp_path / "other"
+    other.mkdir()
+    _qic(Path(sys.executable).parent, other, "build", "--cache-dir", cache_dir)
+    _qic(Path(sys.executable).parent, other, "run", "artifacts/tiny", "--prompt", PROMPT, "--steps", "3",
+         "--output", "checkout.png")
+    assert (empty / "installed.png").read_bytes() == (other / "checkout.png").read_bytes()
