@@ -32,7 +32,7 @@ MEAN = 0.01            # mean |diff| in levels: a few flipped roundings among 3*
 
 
 def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
-    from qic.builder.pipeline import _graph_name, graph_shapes
+    from qic.builder.jobs import graph_shapes, name_of
     for bad in ([0], "two", [1.5], [True], []):
         with pytest.raises(ConfigError, match="batch_sizes must be a list of positive integers"):
             parse_spec({"batch_sizes": bad})
@@ -42,7 +42,7 @@ def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
     plain = graph_shapes(parse_spec({}))
     both = graph_shapes(parse_spec({"batch_sizes": [1, 2]}))
     assert [g for g in both if "batch" not in g[1]] == plain        # batch-1 shapes (spec keys) unchanged
-    assert sorted(_graph_name(c, shape) for c, shape in both if "batch" in shape) == [
+    assert sorted(name_of(c, shape) for c, shape in both if "batch" in shape) == [
         "denoiser@48x80@L128@B2", "text_encoder@L128@B2", "vae_decoder@48x80@B2"]
 
 

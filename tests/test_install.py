@@ -48,8 +48,14 @@ def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp
     compile nothing; the installed copy computes the same spec keys, since its files are the package's."""
     bin_dir = _fresh_venv(tmp_path / "venv")
     src = _sources(tmp_path / "src")
-    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    str(src)], check=True, capture_output=True)
+    # `pip install .` in its two steps: the wheel built by this environment's setuptools (no download: the
+    # fresh venv's bundled setuptools is too old for pyproject builds), then installed into the fresh venv.
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
+                    str(wheels), str(src)], check=True, capture_output=True)
+    (wheel,) = wheels.glob("qic-*.whl")
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel)], check=True,
+                   capture_output=True)
     where = subprocess.run([str(bin_dir / "python"), "-c", "import qic, importlib.util as u; print(qic.__file__); "
                             "print(u.find_spec('benchmarks'))"], cwd=tmp_path, capture_output=True, text=True,
                            check=True).stdout.split()

@@ -251,9 +251,9 @@ def test_export_looped_step_graph():
 def test_aot_compiled_looped_text_encoder(tmp_path):
     """The one compile of this file: export -> InductorBackend.compile (asserts no baked constant) -> the
     runtime loader with weights as trailing inputs."""
-    from qic.backends.loaders import load_graph
-
+    from qic.backends.base import Traced
     from qic.backends.inductor.build import InductorBackend
+    from qic.backends.inductor.load import load
 
     ref, looped, config = _encoder_pair("tiny")
     names = [n for n, _ in looped.named_parameters()]
@@ -262,14 +262,14 @@ def test_aot_compiled_looped_text_encoder(tmp_path):
     with torch.no_grad():
         program = torch.export.export(WeightsAsInputs(looped, names), ((ids, mask), weights))
     assert _nodes(program.graph_module, torch.ops.higher_order.scan) == 1
-    InductorBackend("cpu").compile(program, tmp_path)
-    run = load_graph("inductor", tmp_path / "graph.pt2", weights, "cpu")
+    InductorBackend("cpu").compile(Traced(None, names, program), tmp_path)
+    run = load(tmp_path / "graph.pt2", weights, "cpu")
     with torch.no_grad():
         want = ref(ids, mask)
         assert rel_l2(run([ids, mask])[0], want) <= COMPILED_TOL
         # The compiled loop reads the stacks it is given: bind the reversed layer order.
         flipped = [w.flip(0).contiguous() if ".stacked." in n else w for n, w in zip(names, weights)]
-        run_flipped = load_graph("inductor", tmp_path / "graph.pt2", flipped, "cpu")
+        run_flipped = load(tmp_path / "graph.pt2", flipped, "cpu")
         want_flipped = torch.func.functional_call(looped, dict(zip(names, flipped)), (ids, mask))
         assert rel_l2(run_flipped([ids, mask])[0], want_flipped) <= COMPILED_TOL
         assert rel_l2(want_flipped, want) > 100 * COMPILED_TOL

@@ -1,4 +1,5 @@
-"""The `qic` command: thin click commands, each calling one function, imported lazily.
+"""The `qic` command: thin click commands, each calling one function of its verb's module (qic/cli/<verb>.py),
+imported lazily. The command functions are named <verb>_command so that they never shadow those modules.
 
 Errors users can fix print as one line plus the fix, never a traceback.
 """
@@ -74,28 +75,28 @@ def _overrides(resolutions, loras=(), cache_public_keys=(), **flags) -> dict:
             "cache_public_keys": list(cache_public_keys) or None}
 
 
-@main.command()
+@main.command("build")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @_build_options
 @_friendly
-def build(config, resolutions, **flags):
+def build_command(config, resolutions, **flags):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default: the embedded tiny model)."""
     from qic.cli.build import run_build
     run_build(config, _overrides(resolutions, **flags))
 
 
-@main.command()
+@main.command("plan")
 @click.argument("config", required=False, type=click.Path())
 @_build_options
 @_friendly
-def plan(config, resolutions, **flags):
+def plan_command(config, resolutions, **flags):
     """Memory, disk and compile-time plan of a build, from configs alone (CONFIG: a YAML build config, or a
     checkpoint directory, which may hold only its config files)."""
     from qic.cli.plan import run_plan
     run_plan(config, _overrides(resolutions, **flags))
 
 
-@main.command()
+@main.command("warm")
 @click.argument("matrix", type=click.Path(dir_okay=False))
 @click.option("--shard", help="I/N: compile only this worker's share of the jobs (1-based).")
 @click.option("--dry-run", is_flag=True, help="List what would compile and what is cached; compile nothing.")
@@ -106,18 +107,18 @@ def plan(config, resolutions, **flags):
               help="Ed25519 private key (PEM) to sign the entries compiled [env QIC_SIGNING_KEY].")
 @click.option("--report", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @_friendly
-def warm(matrix, shard, dry_run, jobs, cache_dir, model, sign_key, report):
+def warm_command(matrix, shard, dry_run, jobs, cache_dir, model, sign_key, report):
     """Fill a compile cache from MATRIX (a build config whose keys may hold lists), from configs alone."""
     from qic.cli.warm import run_warm
     run_warm(matrix, {"cache_dir": cache_dir, "model": model}, shard, jobs, dry_run, sign_key, report)
 
 
-@main.group()
-def cache():
+@main.group("cache")
+def cache_group():
     """Inspect and maintain a compile cache directory."""
 
 
-@cache.command("ls")
+@cache_group.command("ls")
 @click.argument("cache_dir", type=click.Path(file_okay=False))
 @_friendly
 def cache_ls(cache_dir):
@@ -126,7 +127,7 @@ def cache_ls(cache_dir):
     run_cache_ls(cache_dir)
 
 
-@cache.command("verify")
+@cache_group.command("verify")
 @click.argument("cache_dir", type=click.Path(file_okay=False))
 @_friendly
 def cache_verify(cache_dir):
@@ -135,7 +136,7 @@ def cache_verify(cache_dir):
     run_cache_verify(cache_dir)
 
 
-@cache.command("prune")
+@cache_group.command("prune")
 @click.argument("cache_dir", type=click.Path(file_okay=False))
 @click.option("--max-size", required=True, help="Remove least recently used entries down to this size (e.g. 20G).")
 @_friendly
@@ -145,7 +146,7 @@ def cache_prune(cache_dir, max_size):
     run_cache_prune(cache_dir, max_size)
 
 
-@cache.command("push")
+@cache_group.command("push")
 @click.argument("cache_dir", type=click.Path(file_okay=False))
 @click.argument("url")
 @_friendly
@@ -155,7 +156,7 @@ def cache_push(cache_dir, url):
     run_cache_push(cache_dir, url)
 
 
-@cache.command("pull")
+@cache_group.command("pull")
 @click.argument("url")
 @click.argument("cache_dir", type=click.Path(file_okay=False))
 @click.option("--public-key", "public_keys", multiple=True, help="Public key (hex or .pub file) entries must be "
@@ -170,7 +171,7 @@ def cache_pull(url, cache_dir, public_keys, trusted, device):
     run_cache_pull(url, cache_dir, public_keys, trusted, device)
 
 
-@cache.command("keygen")
+@cache_group.command("keygen")
 @click.argument("keyfile", type=click.Path(dir_okay=False))
 @_friendly
 def cache_keygen(keyfile):
@@ -179,18 +180,18 @@ def cache_keygen(keyfile):
     run_cache_keygen(keyfile)
 
 
-@main.command()
+@main.command("inspect")
 @click.argument("bundle", type=click.Path())
 @click.option("--verify", is_flag=True,
               help="Re-hash every weight file, not only those changed since they were last verified.")
 @_friendly
-def inspect(bundle, verify):
+def inspect_command(bundle, verify):
     """Print a bundle's manifest and check every file's hash."""
     from qic.cli.inspect import run_inspect
     run_inspect(bundle, full=verify)
 
 
-@main.command()
+@main.command("run")
 @click.argument("bundle", type=click.Path())
 @click.option("--prompt", help="What to draw.")
 @click.option("--negative-prompt", default=None, help="What to steer away from (true CFG); default ' '.")
@@ -215,22 +216,22 @@ def inspect(bundle, verify):
 @click.option("--verify-all", is_flag=True,
               help="Re-hash every weight file, not only those changed since they were last verified.")
 @_friendly
-def run(bundle, **options):
+def run_command(bundle, **options):
     """Generate images with a built bundle."""
     from qic.cli.run import run_cli
     run_cli(bundle, options)
 
 
-@main.command()
+@main.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 @_friendly
-def doctor(as_json):
+def doctor_command(as_json):
     """Which back ends, devices and compilers this machine has, and why not where not."""
     from qic.cli.doctor import run_doctor
     run_doctor(as_json)
 
 
-@main.command()
+@main.command("serve")
 @click.argument("bundle", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
@@ -242,7 +243,7 @@ def doctor(as_json):
 @click.option("--max-batch", type=int, default=8, show_default=True,
               help="Most compatible images run as one batch, where the bundle has graphs for it.")
 @_friendly
-def serve(bundle, host, port, tp, queue, timeout, max_n, max_batch):
+def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch):
     """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
     from qic.cli.serve import run_serve
     from qic.serve.settings import Settings

@@ -40,7 +40,7 @@ def run_cache_verify(cache_dir) -> None:
 
 
 def run_cache_prune(cache_dir, max_size) -> None:
-    removed = store.prune(Path(cache_dir), store.parsesize(max_size))
+    removed = store.prune(Path(cache_dir), store.parse_size(max_size))
     for e in removed:
         print(f"removed {e.key} {e.graph} ({size(e.bytes)})")
     left = store.entries(Path(cache_dir), hash_files=False)
