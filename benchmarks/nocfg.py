@@ -1,7 +1,7 @@
 """No-CFG step graph vs the CFG step graph at guidance 1, per image, in one run.
 
     python -m benchmarks.nocfg [--preset small] [--steps 8] [--images 5] [--dir DIR] [--cache-dir DIR]
-    python -m benchmarks.nocfg --smoke   # the tiny preset, 2 steps (the fewest the scheduler takes), 1 image, under a temporary directory
+    python -m benchmarks.nocfg --smoke   # tiny preset, 2 steps (the scheduler's fewest), 1 image, in a temp dir
 
 Builds the embedded preset with both step graphs (`cfg: [true, false]`) into artifacts/bench-nocfg/, then
 times whole images at guidance 1: with the no-CFG graph (batch 1, what `qic run` picks) and with the

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                     fn()
                     walls[name].append(time.perf_counter() - t0)
     base = statistics.median(walls["inproc"])
-    print(f"{'tiny' if args.tiny else 'real'} width, depth {args.depth}, {args.size}x{args.size}, bucket 128, CFG batch 2, fp32, "
+    width = "tiny" if args.tiny else "real"
+    print(f"{width} width, depth {args.depth}, {args.size}x{args.size}, bucket 128, CFG batch 2, fp32, "
           f"{torch.get_num_threads()} threads; medians of {args.runs} alternating runs")
     print("| variant | step (median) | / inproc | rel-L2 vs eager |\n|---|--:|--:|--:|")
     for name, w in walls.items():

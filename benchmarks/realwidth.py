@@ -2,6 +2,7 @@
 
     python -m benchmarks.realwidth [--depth 1] [--resolutions 256,512] [--steps 3]
     python -m benchmarks.realwidth --plots-only      # redraw docs/img/ from artifacts/realwidth/results.json
+    python -m benchmarks.realwidth --smoke           # --tiny, 48x80, 2 steps; everything (plots too) in a temp dir
 
 In one run:
 1. writes a random checkpoint in the real diffusers layout (qic.checkpoint.embedded's recipe, tokenizer
@@ -18,7 +19,8 @@ In one run:
    qic's graph as compiled (CFG batch 2, text padded to the bucket) and the useful work (cond and uncond
    at the prompts' own lengths, which is what diffusers computes);
 5. pixel parity between the two PNGs; plots into docs/img/.
-Everything is written under --dir (artifacts/realwidth), never committed.
+Everything is written under --dir (artifacts/realwidth), never committed. --tiny runs the same on the
+embedded tiny checkpoint instead (qic.checkpoint.embedded, its own depth); a resolution is N (NxN) or HxW.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from benchmarks import parse_args, smoke_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "qwen-image-configs"
@@ -146,7 +150,7 @@ def pixel_diff(a: Path, b: Path) -> tuple[int, float]:
     return int(d.max()), float(d.mean())
 
 
-def diffusers_side(ckpt: str, size: int, steps: int, png: str, device: str = "cpu", dtype: str = "float32") -> None:
+def diffusers_side(ckpt: str, size: str, steps: int, png: str, device: str = "cpu", dtype: str = "float32") -> None:
     """One image with diffusers in this process; prints the per-step times as one JSON line.
 
     A step is diffusers' two transformer calls (cond, then uncond) and the guidance/scheduler work
@@ -166,7 +170,8 @@ def diffusers_side(ckpt: str, size: int, steps: int, png: str, device: str = "cp
         marks.append(time.perf_counter())
     pipe.transformer.register_forward_pre_hook(mark)
     pipe.transformer.register_forward_hook(mark)
-    pipe(PROMPT, negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=steps, height=size, width=size,
+    height, width = resolution(size)
+    pipe(PROMPT, negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=steps, height=height, width=width,
          generator=torch.Generator("cpu").manual_seed(SEED)).images[0].save(png)
     calls = list(zip(marks[0::2], marks[1::2]))
     step_times = [calls[i + 1][1] - calls[i][0] for i in range(0, len(calls), 2)]
@@ -182,26 +187,45 @@ def qic_timings(output: str) -> tuple[float, list[float]]:
 
 # ----------------------------------------------------------------------------------------------------- run
 
+def resolution(text: str) -> tuple[int, int]:
+    """(height, width) of N (square) or HxW."""
+    h, _, w = text.lower().partition("x")
+    return int(h), int(w or h)
+
+
+def label(key: str) -> str:
+    """A resolution's axis label: 256 -> 256x256, 48x80 as it is."""
+    return key if "x" in key else f"{key}x{key}"
+
+
 def bench(args) -> dict:
     from benchmarks.run import matmul_gflops
     d: Path = args.dir
     d.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     res: dict = {"depth": args.depth, "steps": args.steps, "resolutions": args.resolutions, "prompt": PROMPT,
-                 "device": args.device, "dtype": args.dtype}
+                 "device": args.device, "dtype": args.dtype, "tiny": args.tiny}
 
     t = time.perf_counter()
-    ckpt = write_realwidth_checkpoint(d / f"ckpt-depth{args.depth}", args.depth)
+    if args.tiny:
+        from qic.checkpoint.embedded import write_checkpoint
+        from qic.checkpoint.presets import preset
+        ckpt = write_checkpoint(d / "ckpt-tiny", "tiny")
+        configs = preset("tiny")
+        res["depth"] = configs["transformer"]["num_layers"]
+    else:
+        ckpt = write_realwidth_checkpoint(d / f"ckpt-depth{args.depth}", args.depth)
+        configs = reduced_configs(CONFIGS, args.depth)
     res["checkpoint_seconds"] = time.perf_counter() - t
     res["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     print(f"checkpoint {ckpt}: {res['checkpoint_bytes'] / GiB:.2f} GiB ({res['checkpoint_seconds']:.0f} s)", flush=True)
-    configs = reduced_configs(CONFIGS, args.depth)
 
-    bundle, cache, inductor = d / "bundle", d / "cache", d / "inductor-cache"
-    if not args.keep_cache:
-        for p in (bundle, cache, inductor):
+    bundle, cache, inductor = d / "bundle", args.cache_dir or d / "cache", d / "inductor-cache"
+    if not args.keep_cache:   # a cold build: this run's own caches only (never a --cache-dir given)
+        for p in (bundle, inductor) if args.cache_dir else (bundle, cache, inductor):
             shutil.rmtree(p, ignore_errors=True)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor))
+    # --smoke keeps inductor's cache as inherited: it proves the path, the cold build time is not its point.
+    env = dict(os.environ) if args.smoke else dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor))
     # The dtypes go through a config file (qic build has no dtype flag); everything else as flags.
     build_config = d / "build.yaml"
     build_config.write_text(json.dumps({"dtype": {"text_encoder": args.dtype, "denoiser": args.dtype,
@@ -209,7 +233,7 @@ def bench(args) -> dict:
     build = [py, "-m", "qic.cli", "build", str(build_config), "--model", str(ckpt), "--output", str(bundle),
              "--cache-dir", str(cache), "--text-buckets", str(BUCKET), "--device", args.device]
     for r in args.resolutions:
-        build += ["--resolution", f"{r}x{r}"]
+        build += ["--resolution", label(r)]
     samples: list = []
     wall, peak, out = run_measured(build, env=env, sample=samples)
     res["build"] = {"seconds": wall, "peak_rss": peak, "peak_total": max(x[2] for x in samples), "samples": samples,
@@ -222,10 +246,11 @@ def bench(args) -> dict:
     # resolution and at the end, and the best of them is the rate the fractions are taken against.
     rates = []
     for r in args.resolutions:
+        h, w = resolution(r)
         rates.append(matmul_gflops())
         png_q, png_d = d / f"qic-{r}.png", d / f"diffusers-{r}.png"
         qcmd = [py, "-m", "qic.cli", "run", str(bundle), "--prompt", PROMPT, "--seed", str(SEED), "--steps",
-                str(args.steps), "--guidance", str(GUIDANCE), "--height", str(r), "--width", str(r),
+                str(args.steps), "--guidance", str(GUIDANCE), "--height", str(h), "--width", str(w),
                 "--output", str(png_q), "--verbose"]
         q_wall, q_peak, q_out = run_measured(qcmd)
         dcmd = [py, "-m", "benchmarks.realwidth", "--diffusers-side", str(ckpt), str(r), str(args.steps), str(png_d),
@@ -233,11 +258,11 @@ def bench(args) -> dict:
         d_wall, d_peak, d_out = run_measured(dcmd)
         d_json = json.loads(next(x for x in d_out.splitlines() if x.startswith("DIFFUSERS "))[len("DIFFUSERS "):])
         mx, mean = pixel_diff(png_q, png_d)
-        res["runs"][str(r)] = {
+        res["runs"][r] = {
             "qic": dict(zip(("load", "steps"), qic_timings(q_out)), cold=q_wall, peak_rss=q_peak, log=q_out[-1000:]),
             "diffusers": {"cold": d_wall, "peak_rss": d_peak, "steps": d_json["steps"], "load": d_json["load"]},
             "max_diff": mx, "mean_diff": mean}
-        print(f"{r}x{r}: qic cold {q_wall:.1f} s, diffusers cold {d_wall:.1f} s, max/mean diff {mx}/{mean:.4f}",
+        print(f"{label(r)}: qic cold {q_wall:.1f} s, diffusers cold {d_wall:.1f} s, max/mean diff {mx}/{mean:.4f}",
               flush=True)
 
     lengths = templated_lengths(ckpt, [PROMPT, " "])
@@ -245,16 +270,17 @@ def bench(args) -> dict:
     rates.append(matmul_gflops())
     res["matmul_gflops"], res["matmul_gflops_all"] = max(rates), rates
     for r in args.resolutions:
-        run = res["runs"][str(r)]
-        run["graph_flops"] = step_flops(configs, r, r, BUCKET)
-        run["useful_flops"] = sum(step_flops(configs, r, r, n, cfg=False) for n in lengths)
+        run = res["runs"][r]
+        run["graph_flops"] = step_flops(configs, *resolution(r), BUCKET)
+        run["useful_flops"] = sum(step_flops(configs, *resolution(r), n, cfg=False) for n in lengths)
     (d / "results.json").write_text(json.dumps(res, indent=1))
     return res
 
 
 def table(res: dict) -> str:
     rate = res["matmul_gflops"]
-    rows = [f"real width, depth {res['depth']}, {res['steps']} steps, {res.get('dtype', 'float32')} on "
+    width = "tiny" if res.get("tiny") else "real"
+    rows = [f"{width} width, depth {res['depth']}, {res['steps']} steps, {res.get('dtype', 'float32')} on "
             f"{res.get('device', 'cpu')}; fp32 matmul 2048^3 on the CPU: {rate:.1f} GFLOP/s (best of "
             f"{', '.join(f'{x:.0f}' for x in res.get('matmul_gflops_all', [rate]))}, measured around the runs)",
             "", "| measure | size | qic | diffusers | diffusers / qic |", "|---|---|--:|--:|--:|",
@@ -290,17 +316,18 @@ def plots(res: dict, img: Path) -> list[Path]:
     out = []
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-    sizes = [int(r) for r in res["runs"]]
+    sizes = list(res["runs"])
     width = 0.38
     for k, side in enumerate(("qic", "diffusers")):
-        ys = [statistics.median(res["runs"][str(s)][side]["steps"]) for s in sizes]
+        ys = [statistics.median(res["runs"][s][side]["steps"]) for s in sizes]
         bars = ax.bar([i + (k - 0.5) * width for i in range(len(sizes))], ys, width, label=side)
         ax.bar_label(bars, [f"{y:.2f} s" for y in ys], padding=2)
-    ax.set_xticks(range(len(sizes)), [f"{s}x{s}" for s in sizes])
+    ax.set_xticks(range(len(sizes)), [label(s) for s in sizes])
     ax.set_xlabel("resolution (CFG batch 2, one text bucket of 128)")
     ax.set_ylabel("seconds per denoise step (median)")
     where = "2-core CPU" if res.get("device", "cpu") == "cpu" else res["device"]
-    ax.set_title(f"Step time, real width, depth {res['depth']}, {res.get('dtype', 'float32')}, {where}")
+    kind = "tiny" if res.get("tiny") else "real"
+    ax.set_title(f"Step time, {kind} width, depth {res['depth']}, {res.get('dtype', 'float32')}, {where}")
     ax.margins(y=0.12)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -326,8 +353,8 @@ def plots(res: dict, img: Path) -> list[Path]:
     ax.axhline(res["checkpoint_bytes"] / GiB, color="grey", ls=":", label="checkpoint size")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("resident set, GiB")
-    ax.set_title(f"Memory over `qic build`, real width, depth {res['depth']}, "
-                 f"{', '.join(f'{r}x{r}' for r in sizes)}")
+    ax.set_title(f"Memory over `qic build`, {kind} width, depth {res['depth']}, "
+                 f"{', '.join(label(r) for r in sizes)}")
     ax.legend()
     ax.grid(alpha=0.3)
     out.append(_save(fig, img / "build-memory.png"))
@@ -345,7 +372,7 @@ def _save(fig, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.realwidth")
     ap.add_argument("--depth", type=int, default=1)
-    ap.add_argument("--resolutions", default="256,512", help="square sizes, comma-separated")
+    ap.add_argument("--resolutions", default="256,512", help="sizes, comma-separated: N (NxN) or HxW")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("artifacts/realwidth"))
     ap.add_argument("--img", type=Path, default=REPO / "docs" / "img")
@@ -354,12 +381,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="text encoder and denoiser dtype on both sides (qic's VAE stays fp32)")
     ap.add_argument("--plots-only", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny checkpoint instead of the real widths")
+    ap.add_argument("--cache-dir", type=Path, help="qic's compile cache, kept (default: DIR/cache, emptied first)")
     ap.add_argument("--diffusers-side", nargs=4, metavar=("CKPT", "SIZE", "STEPS", "PNG"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv, {"tiny": True, "resolutions": "48x80", "steps": 2, "dir": None, "img": None})
     if args.diffusers_side:
         ckpt, size, steps, png = args.diffusers_side
-        return diffusers_side(ckpt, int(size), int(steps), png, args.device, args.dtype)
-    args.resolutions = [int(r) for r in args.resolutions.split(",")]
+        return diffusers_side(ckpt, size, int(steps), png, args.device, args.dtype)
+    args.dir = args.dir or smoke_dir("realwidth")
+    args.img = args.img or args.dir / "img"
+    args.resolutions = [f"{h}x{w}" if h != w else str(h) for h, w in map(resolution, args.resolutions.split(","))]
     res = json.loads((args.dir / "results.json").read_text()) if args.plots_only else bench(args)
     print(table(res))
     for p in plots(res, args.img):

@@ -1,6 +1,7 @@
 """Run-time benchmark: `qic run` against diffusers on one checkpoint, in one run.
 
-    python -m benchmarks.run [--preset small] [--steps 8] [--images 5]
+    python -m benchmarks.run [--preset small] [--steps 8] [--images 5] [--dir DIR] [--cache-dir DIR]
+    python -m benchmarks.run --smoke   # the tiny preset, 2 steps, 1 image, under a temporary directory
 
 Measures, on the embedded preset (built into artifacts/bench-run/ unless present):
 - cold: process start to PNG, `qic run` vs a diffusers script doing from_pretrained + one image;
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import parse_args, smoke_dir
+
 PROMPT = "a red bicycle leaning against a blue wall"
 
 
@@ -39,13 +42,15 @@ def cold(cmd: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--images", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=Path("artifacts/bench-run"))
-    args = ap.parse_args()
+    ap.add_argument("--cache-dir", type=Path, help="qic's compile cache for the build (default: DIR/cache)")
+    args = parse_args(ap, argv, {"preset": "tiny", "steps": 2, "images": 1, "dir": None})
+    args.dir = args.dir or smoke_dir("run")
 
     from qic.checkpoint.embedded import write_checkpoint
     from qic.checkpoint.presets import preset
@@ -54,7 +59,8 @@ def main() -> None:
     bundle = args.dir / f"bundle-{args.preset}"
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "qic.cli", "build", "--model", str(ckpt), "--output", str(bundle),
-                    "--cache-dir", str(args.dir / "cache"), "--resolution", f"{h}x{w}", "--text-buckets", "128"],
+                    "--cache-dir", str(args.cache_dir or args.dir / "cache"), "--resolution", f"{h}x{w}",
+                    "--text-buckets", "128"],
                    check=True, capture_output=True)
     build_s = time.perf_counter() - t
 

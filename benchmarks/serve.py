@@ -1,11 +1,13 @@
 """Serving benchmark: `qic serve` latency and throughput over loopback, against in-process `generate`.
 
     python -m benchmarks.serve [--bundle DIR | --preset tiny] [--steps 8] [--requests 16] [--clients 4] [--batch 2]
+    python -m benchmarks.serve --smoke   # the tiny preset, 2 steps, 2 requests, 1 round, under a temporary directory
 
 Measures, in one run:
 - start: process start to /health answering (load and the warm-up pass included; nothing compiles);
-- latency of request 1 vs request 10 (sequential, one client), against the per-image time of
-  `qic run --prompts-file` on the same bundle (the reference: generate + PNG without HTTP);
+- latency of request 1 vs request 10 (sequential, one client; --latency-requests), against the per-image
+  time of `qic run --prompts-file` on the same bundle (the reference: generate + PNG without HTTP; the
+  difference of 1 and 1 + --reference-images prompts);
 - throughput: images/s for `--requests` requests from one client vs `--clients` concurrent clients;
 - with and without batching: the same concurrent requests against the same build with `batch_sizes`
   [1] and [1, --batch] (a second bundle in the same cache, so only its batched graphs compile; or
@@ -25,12 +27,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks import parse_args, smoke_dir
 from qic.serve.client import request
 
 PROMPT = "a red bicycle leaning against a blue wall"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serve")
     ap.add_argument("--bundle", type=Path, help="A built bundle (default: build the preset under --dir).")
     ap.add_argument("--preset", default="tiny")
@@ -41,20 +44,28 @@ def main() -> None:
                                                          "(1: skip).")
     ap.add_argument("--batch-bundle", type=Path, help="With --bundle: the same build with batch_sizes above 1.")
     ap.add_argument("--rounds", type=int, default=3, help="Alternating rounds of the batching comparison.")
+    ap.add_argument("--latency-requests", type=int, default=10, help="Sequential requests timed one by one.")
+    ap.add_argument("--reference-images", type=int, default=10, help="Images of the `qic run` reference.")
     ap.add_argument("--dir", type=Path, default=Path("artifacts/bench-serve"))
-    args = ap.parse_args()
+    ap.add_argument("--cache-dir", type=Path, help="qic's compile cache for the builds (default: DIR/cache)")
+    args = parse_args(ap, argv, {"preset": "tiny", "steps": 2, "requests": 2, "clients": 2, "batch": 2, "rounds": 1,
+                                 "latency_requests": 2, "reference_images": 1, "dir": None})
+    if args.latency_requests < 2 or args.reference_images < 1:
+        ap.error("--latency-requests must be at least 2 and --reference-images at least 1")
+    args.dir = args.dir or smoke_dir("serve")
+    cache = args.cache_dir or args.dir / "cache"
 
-    bundle = args.bundle or build(args.preset, args.dir)
+    bundle = args.bundle or build(args.preset, args.dir, cache_dir=cache)
     body = {"prompt": PROMPT, "steps": args.steps}
 
     with Server(bundle, args.requests, args.dir / "serve-b1.log") as srv:
-        latencies = [srv.timed(body, i) for i in range(10)]
+        latencies = [srv.timed(body, i) for i in range(args.latency_requests)]
         serial = srv.throughput(body, range(100, 100 + args.requests), 1)
         concurrent = srv.throughput(body, range(200, 200 + args.requests), args.clients)
     start_s = srv.start_s
     batched = None
     if args.batch_bundle or (args.batch > 1 and not args.bundle):
-        batch_bundle = args.batch_bundle or build(args.preset, args.dir, args.batch)
+        batch_bundle = args.batch_bundle or build(args.preset, args.dir, args.batch, cache_dir=cache)
         # Both servers resident, rounds alternating between them with the same seeds, so that the load
         # of this shared machine weighs on both alike; medians over the rounds.
         with Server(bundle, args.requests, args.dir / "serve-plain.log") as plain, \
@@ -68,10 +79,11 @@ def main() -> None:
         unbatched, batched = (statistics.median(x) for x in zip(*rounds))
         ratio = statistics.median(b / a for a, b in rounds)
 
-    # The reference: `qic run` resident mode on the same bundle, 1 and 11 prompts; the difference is
-    # ten images' worth of generate + PNG with no HTTP, in a process of its own like the server.
+    # The reference: `qic run` resident mode on the same bundle, 1 and 1 + N prompts; the difference is
+    # N images' worth of generate + PNG with no HTTP, in a process of its own like the server.
     runs = {}
-    for count in (1, 11):
+    last = 1 + args.reference_images
+    for count in (1, last):
         lines = args.dir / f"prompts-{count}.jsonl"
         lines.parent.mkdir(parents=True, exist_ok=True)
         lines.write_text("".join(json.dumps({**body, "seed": 300 + i}) + "\n" for i in range(count)))
@@ -79,7 +91,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "qic.cli", "run", str(bundle), "--prompts-file", str(lines),
                         "--output", str(args.dir / "ref.png")], check=True, capture_output=True)
         runs[count] = time.perf_counter() - t
-    ref_s = (runs[11] - runs[1]) / 10
+    ref_s = (runs[last] - runs[1]) / args.reference_images
 
     import torch
 
@@ -91,9 +103,9 @@ def main() -> None:
     for row in (("start: process to /health ready (load + warm-up)", f"{start_s:.2f} s", ""),
                 ("process start to first PNG, 1 prompt", "", f"{runs[1]:.2f} s"),
                 ("request 1 latency", f"{latencies[0] * 1e3:.0f} ms", ""),
-                ("request 10 latency", f"{latencies[9] * 1e3:.0f} ms", ""),
-                ("per image, requests 2-10 median / resident mode", f"{statistics.median(latencies[1:]) * 1e3:.0f} ms",
-                 f"{ref_s * 1e3:.0f} ms"),
+                (f"request {len(latencies)} latency", f"{latencies[-1] * 1e3:.0f} ms", ""),
+                (f"per image, requests 2-{len(latencies)} median / resident mode",
+                 f"{statistics.median(latencies[1:]) * 1e3:.0f} ms", f"{ref_s * 1e3:.0f} ms"),
                 (f"throughput, 1 client, {args.requests} requests", f"{serial:.2f} img/s", f"{1 / ref_s:.2f} img/s"),
                 (f"throughput, {args.clients} clients, {args.requests} requests", f"{concurrent:.2f} img/s", "")):
         print("| " + " | ".join(row) + " |")
@@ -153,7 +165,7 @@ class Server:
         return sum(1 for r in records if r.get("seed", 0) >= 200 and r.get("seed", 0) % 1000 < 900
                    and r.get("batch", 1) > 1)
 
-def build(preset_name: str, out_dir: Path, batch: int = 1) -> Path:
+def build(preset_name: str, out_dir: Path, batch: int = 1, cache_dir: Path | None = None) -> Path:
     """The preset's bundle (one resolution, bucket 128), with batched graphs of size `batch` if above 1."""
     from qic.checkpoint.embedded import write_checkpoint
     from qic.checkpoint.presets import preset
@@ -162,8 +174,8 @@ def build(preset_name: str, out_dir: Path, batch: int = 1) -> Path:
     bundle = out_dir / (f"bundle-{preset_name}" + ("" if batch == 1 else f"-batch{batch}"))
     if not (bundle / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "qic.cli", "build", "--model", str(ckpt), "--output", str(bundle),
-                        "--cache-dir", str(out_dir / "cache"), "--resolution", f"{h}x{w}", "--text-buckets", "128,",
-                        "--batch-sizes", f"1,{batch}"], check=True, capture_output=True)
+                        "--cache-dir", str(cache_dir or out_dir / "cache"), "--resolution", f"{h}x{w}",
+                        "--text-buckets", "128,", "--batch-sizes", f"1,{batch}"], check=True, capture_output=True)
     return bundle
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
     .venv/bin/python -m benchmarks.shard --smoke   # --tiny, one block, one round, no drop_caches, temporary dir
 
 Writes (or reuses) a synthetic diffusers-layout checkpoint whose `transformer/` holds a Qwen-Image
-denoiser at the real width (24 heads of 128, joint dim 3584; --tiny: the embedded tiny model's) with as many
-blocks as it takes to reach --gb (decimal GB) of bf16 tensors, in ~2 GB safetensors shards plus their index. The bytes are random
-but finite bf16 values, written streaming (one 32 MB chunk in memory at a time).
+denoiser at the real width (24 heads of 128, joint dim 3584; --tiny: the embedded tiny model's) with as
+many blocks as it takes to reach --gb (decimal GB) of bf16 tensors, in ~2 GB safetensors shards plus their
+index. The bytes are random but finite bf16 values, written streaming (one 32 MB chunk in memory at a time).
 
 Then each measurement runs in a child process of its own, whose peak RSS (VmHWM of /proc/self/status
 at the end of the work) is that of the work plus the interpreter and its imports; the child also
@@ -209,7 +209,8 @@ def write_checkpoint(root: Path, layers: int, seed: int = 0, log=print, width: d
         _write_durable(d / f"{STEM}.safetensors.index.json",
                        _json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map}))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        marker = dict(_marker(layers, seed, width), files={p.relative_to(tmp).as_posix(): p.stat().st_size for p in files})
+        marker = dict(_marker(layers, seed, width),
+                      files={p.relative_to(tmp).as_posix(): p.stat().st_size for p in files})
         _write_durable(tmp / MARKER, _json_bytes(marker))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         os.rename(tmp, root)
@@ -530,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_bytes = sum(2 * _numel(s) for _, s in tensors)
     big_name, big_shape = max(tensors, key=lambda t: _numel(t[1]))
     big = 2 * _numel(big_shape)
-    print(f"synthetic denoiser: {'tiny' if args.tiny else 'real'} width, {layers} blocks, {len(tensors)} tensors, {ckpt_bytes / GB:.2f} GB bf16")
+    kind = "tiny" if args.tiny else "real"
+    print(f"synthetic denoiser: {kind} width, {layers} blocks, {len(tensors)} tensors, {ckpt_bytes / GB:.2f} GB bf16")
     print(f"largest tensor: {big_name} {list(big_shape)} = {_mb(big)} MiB in bf16, {_mb(2 * big)} MiB in float32")
     ckpt_root = write_checkpoint(ckpt_root, layers, width=width)
     inputs = shard_files(ckpt_root)

@@ -146,7 +146,8 @@ def _breakdown(fn, inputs, runs: int) -> dict:
 
 def report(res: dict, rate: float) -> str:
     b, a = res["variants"]["before"], res["variants"]["after"]
-    lines = [f"{'tiny' if res.get('tiny') else 'real'} width, depth {res['depth']}, {res['size']}x{res['size']}, text bucket {res['bucket']}, CFG "
+    width = "tiny" if res.get("tiny") else "real"
+    lines = [f"{width} width, depth {res['depth']}, {res['size']}x{res['size']}, text bucket {res['bucket']}, CFG "
              f"batch 2, fp32; 2048^3 fp32 matmul in the same run: {rate / 1e9:.1f} GFLOP/s",
              f"step, median of {len(b['walls'])} alternating runs: before {b['step_s']:.3f} s, after "
              f"{a['step_s']:.3f} s ({b['step_s'] / a['step_s']:.3f}x); vs eager rel-L2 {b['rel_l2']:.1e} / "

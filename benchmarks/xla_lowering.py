@@ -4,6 +4,7 @@
     python -m benchmarks.xla_lowering depth       # looped (While) vs a host loop over one block vs unrolled
     python -m benchmarks.xla_lowering depth-sizes # only the HLO sizes and lowering times (seconds to run)
     python -m benchmarks.xla_lowering real HxW    # the real Qwen-Image configs lowered from shapes alone
+    python -m benchmarks.xla_lowering --smoke     # `depth` at 1 and 2 blocks, one timed step each
 
 Each prints one JSON object (tests/test_neuron_xla.py asserts on it; docs/benchmarks.md keeps the figures).
 `tp N` must start with CPU_NUM_DEVICES=N in the environment (torch-xla reads it once).
@@ -200,24 +201,24 @@ def _host_loop(blocks: int, repeats: int = 3) -> dict:
             "step_seconds": round((time.perf_counter() - t0) / repeats, 4)}
 
 
-def depth_sizes() -> dict:
+def depth_sizes(sizes=(4, 60)) -> dict:
     """HLO size and lowering time of the denoise step at 4 and 60 blocks, looped and unrolled (shapes only)."""
     out = {"looped": {}, "unrolled": {}}
-    for blocks in (4, 60):
+    for blocks in sizes:
         for mode in out:
             _, _, low, s = _lower_denoiser(blocks, looped=mode == "looped")
             out[mode][blocks] = {"hlo_bytes": len(low.proto), "lower_seconds": round(s, 3)}
     return out
 
 
-def depth() -> dict:
+def depth(sizes=(4, 60), timed=(4, 16), repeats: int = 3) -> dict:
     """depth_sizes plus XLA:CPU step time: While loop, host loop over one block graph, unrolled."""
-    out = {**depth_sizes(), "host_loop": {}}
-    for blocks in (4, 16):
+    out = {**depth_sizes(sizes), "host_loop": {}}
+    for blocks in timed:
         for mode in ("looped", "unrolled"):
             g, tensors, low, _ = _lower_denoiser(blocks, looped=mode == "looped", values=True)
-            out[mode].setdefault(blocks, {})["step_seconds"] = round(_step_seconds(low, g, tensors), 4)
-        out["host_loop"][blocks] = _host_loop(blocks)
+            out[mode].setdefault(blocks, {})["step_seconds"] = round(_step_seconds(low, g, tensors, repeats), 4)
+        out["host_loop"][blocks] = _host_loop(blocks, repeats)
     return out
 
 
@@ -273,7 +274,9 @@ def sensitivity() -> dict:
 
 def main(argv: list[str]) -> None:
     what = argv[0] if argv else "depth"
-    if what == "tp":
+    if what == "--smoke":
+        result = depth(sizes=(1, 2), timed=(1,), repeats=1)
+    elif what == "tp":
         result = tp_check(int(argv[1]))
     elif what == "sensitivity":
         result = sensitivity()
