@@ -196,8 +196,9 @@ def _one_layer(config):
     return config
 
 
-def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -> MemoryPlan:
-    """The plan for a build spec, given parsed component configs (and the raw ones, for spec keys)."""
+def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, jobs: list | None = None) -> MemoryPlan:
+    """The plan for a build spec, given parsed component configs (and the raw ones, for spec keys). `jobs`:
+    the build's own planned jobs (qic.builder.jobs.plan_jobs), so a build keys its graphs once."""
     for h, w in spec.resolutions:  # the build's own check, so a bad size fails as it would there
         check_resolution(h, w, configs["vae_decoder"].scale_factor)
     plan = MemoryPlan(spec.tp)
@@ -211,7 +212,7 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None) -
             name, dtype, tp, weight_bytes(name, configs[name], tp, dtype, looped(spec, name)),
             weight_bytes(name, configs[name], 1, dtype)))
     per_rank = {c.name: c.bytes_per_rank for c in plan.components}
-    keys = _spec_keys(spec, configs, raw)
+    keys = {j.name: j.spec_key for j in jobs} if jobs is not None else _spec_keys(spec, configs, raw)
     for name, shape in graph_shapes(spec):
         tp = tp_of(name, spec.tp)
         sized = shape

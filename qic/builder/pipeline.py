@@ -55,8 +55,9 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     backend = backend_for(spec)
     ctx = Context(spec, progress)
     validate(spec, ctx)
+    jobs = plan_jobs(spec, ctx.configs, ctx.raw, backend)
     if on_plan is not None:
-        on_plan(plan_memory(spec, ctx.configs, ctx.raw, ctx.cache))
+        on_plan(plan_memory(spec, ctx.configs, ctx.raw, ctx.cache, jobs))
     report = BuildReport(ctx.output)
     sweep_stale(layout.shards_dir(ctx.cache))
     sweep_stale(layout.graphs_dir(ctx.cache))
@@ -76,7 +77,7 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     # Stage 2: one graph per bucket / resolution, through the compile cache.
     artifacts = []
     remote = open_remote(spec.cache_from, spec.cache_public_keys, spec.cache_trusted)
-    for job in plan_jobs(spec, ctx.configs, ctx.raw, backend):
+    for job in jobs:
         if progress:
             progress("compile", job.name, None)
         art = compile_job(job, ctx, backend, weights_path=shards[job.component].files[0], remote=remote)

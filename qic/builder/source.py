@@ -65,15 +65,14 @@ def resolve_configs(model: str | None, cache_dir: Path) -> tuple[dict, dict]:
     from qic.builder.components import COMPONENTS
     from qic.checkpoint.presets import preset
 
-    folders = FOLDERS
     if model is None or model.startswith(EMBEDDED_PREFIX):
         name = model[len(EMBEDDED_PREFIX):] if model else "tiny"
         try:
-            raw = {f: preset(name)[f] for f in folders}
+            raw = {f: preset(name)[f] for f in FOLDERS}
         except KeyError as e:
             raise CheckpointError(str(e.args[0]), "use embedded:tiny, embedded:tiny-alt or embedded:small") from None
     else:
         path = _from_hub(model, _CONFIG_PATTERNS) if is_hub_id(model) else Path(model).expanduser()
         ckpt = Checkpoint(path)
-        raw = {f: ckpt.config(f) for f in folders}
+        raw = {f: ckpt.config(f) for f in FOLDERS}
     return {n: c.parse_config(raw[c.folder]) for n, c in COMPONENTS.items()}, raw

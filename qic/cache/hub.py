@@ -138,7 +138,7 @@ class HubRemote:
                 if not todo:
                     return []
                 warn(f"{self}: commit failed with HTTP {status}; retrying on head {head[:12]} "
-                           f"({len(todo)} entries left, attempt {attempt + 2} of {RETRIES})")
+                     f"({len(todo)} entries left, attempt {attempt + 2} of {RETRIES})")
                 sleep(min(30.0, 2 ** attempt) * (0.5 + random.random() / 2))
         raise ConfigError(f"{self}: could not commit after {RETRIES} attempts (the repo keeps changing)",
                           "run `qic cache push` again")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qic.cache import signing, store
+from qic.cache import layout, signing, store
 from qic.cache.hub import HubRemote, hub_repo
 from qic.errors import ConfigError, warn
 
@@ -28,7 +28,7 @@ class DirectoryRemote:
 
     def fetch(self, gkey: str, cache_dir: Path, identity: dict) -> dict | None:
         """Copy a verified entry into the local store (caller holds its lock); its meta, else None."""
-        src = store.entry_dir(self.root, gkey)
+        src = layout.graph_dir(self.root, gkey)
         if not src.is_dir():
             return None
         return store.adopt(src, cache_dir, gkey, identity, self.public_keys, self.trusted, str(self))
@@ -41,7 +41,7 @@ def open_remote(url: str | None, public_keys=(), trusted: bool = False):
     keys = signing.parse_public_keys(public_keys)
     if not keys and not trusted:
         warn(f"cache_from {url}: no public key configured and the store is not marked trusted, "
-                   "so every remote entry will be refused (set cache_public_keys or cache_trusted)")
+             "so every remote entry will be refused (set cache_public_keys or cache_trusted)")
     repo = hub_repo(url)
     if repo is not None:
         return HubRemote(repo, keys, trusted)

@@ -33,10 +33,6 @@ DONE = "done"
 META = "meta.json"
 
 
-def entry_dir(cache_dir: Path, gkey: str) -> Path:
-    return layout.graph_dir(cache_dir, gkey)
-
-
 # ---- sealing and checking -------------------------------------------------------------------------
 
 def seal(tmp: Path, meta: dict, private_key=None) -> None:
@@ -98,7 +94,7 @@ def differences(recorded, current) -> str:
 def lookup(cache_dir: Path, gkey: str, identity: dict, quiet: bool = False) -> dict | None:
     """The meta of a usable entry, else None. Not quiet (call it holding the entry's lock): a bad entry
     is reported and set aside so that the rebuild takes its place."""
-    d = entry_dir(cache_dir, gkey)
+    d = layout.graph_dir(cache_dir, gkey)
     if not d.is_dir():
         return None
     problem, meta = check_entry(d, identity)
@@ -122,7 +118,7 @@ def adopt(src: Path, cache_dir: Path, gkey: str, identity: dict, public_keys, tr
     if problem:
         warn(f"{where}: remote entry {gkey} refused: {problem}; compiling it locally")
         return None
-    with staging_dir(entry_dir(cache_dir, gkey)) as tmp:
+    with staging_dir(layout.graph_dir(cache_dir, gkey)) as tmp:
         for f in [*meta["files"], META, SIGNATURE]:
             if (src / f).is_file():
                 shutil.copyfile(src / f, tmp / f)

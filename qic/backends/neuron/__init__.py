@@ -13,3 +13,8 @@ NAME = "neuron"
 DEVICES = ("neuron",)
 DEFAULT_DEVICE = "neuron"
 RUN_DEVICES = ("neuron", "xla-cpu")
+
+# A graph's files, in its cache entry and bundle folder (written by build.py, read by load.py).
+HLO_FILE = "model.hlo_module.pb"   # the HLO module (entry parameters = used graph inputs, then weights)
+PARAMS_FILE = "params.json"        # which graph input or weight feeds each HLO parameter
+NEFF_FILE = "model.neff"           # the compiled graph (absent in a lower-only bundle)

@@ -32,12 +32,9 @@ from pathlib import Path
 import torch
 
 from qic.backends.base import Backend, CompiledGraph, Finished, Traced
-from qic.backends.neuron import DEVICES, NAME
+from qic.backends.neuron import DEVICES, HLO_FILE, NAME, NEFF_FILE, PARAMS_FILE
 from qic.errors import CompileError, ConfigError
 
-HLO_FILE = "model.hlo_module.pb"
-PARAMS_FILE = "params.json"
-NEFF_FILE = "model.neff"
 TARGET = "trn2"
 # fp32 on both sides; XLA:CPU may reassociate reductions and fuse differently from eager, so errors of a
 # few ulps per reduction accumulate through the layers: 1e-5 is ~100 fp32 ulps of relative error, far

@@ -34,13 +34,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from qic.backends.neuron import NEFF_FILE
 from qic.errors import CompileError, ConfigError
 from qic.fsutil import file_lock, public_mode, write_json_atomic
 from qic.manifest import sha256_file
 
 COMPILER = "neuronx-cc"
 TARGETS = ("inf2", "trn1", "trn1n", "trn2")
-NEFF = "model.neff"
+NEFF = NEFF_FILE                   # the file name every bundle folder uses too
 RECORD = "neff.json"
 LOG = "log-neuron-cc.txt"          # the compiler's documented default log name, kept beside the NEFF
 OUTPUT = "compiler-output.txt"     # its stdout and stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from qic.backends.neuron import RUN_DEVICES
+from qic.backends.neuron import NEFF_FILE, PARAMS_FILE, RUN_DEVICES
 from qic.errors import BundleError
 
 
@@ -44,7 +44,7 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
     if lnc is None:
         lnc = ((manifest or {}).get("neuron") or {}).get("lnc", 1)
     folder = Path(path).parent
-    params = json.loads((folder / "params.json").read_text())["params"]
+    params = json.loads((folder / PARAMS_FILE).read_text())["params"]
     if device == "xla-cpu":
         if world > 1:
             raise BundleError(f"{folder.parent.parent}: --device xla-cpu runs tp=1 neuron bundles only (one XLA:CPU "
@@ -53,9 +53,8 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
                               "tests (tests/test_neuron_xla.py in its repository)")
         from qic.backends.neuron import xla_runtime
         return xla_runtime.load(Path(path), params, weights)
-    if device != "neuron":
-        raise BundleError(f"a neuron bundle runs on device neuron or xla-cpu, not {device!r}")
-    neff = folder / "model.neff"
+    check(folder.parent.parent, manifest or {}, device)
+    neff = folder / NEFF_FILE
     if not neff.is_file():
         raise BundleError(f"{folder.parent.parent}: lower-only bundle (no NEFFs: built where neuronx-cc was absent)",
                           "rebuild it on a Trainium host, or run it with --device xla-cpu")
