@@ -52,8 +52,15 @@ def read_manifest(bundle: Path) -> dict:
         raise BundleError(f"{bundle}: not a qic bundle (no {MANIFEST})") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BundleError(f"{path}: corrupt manifest (not JSON)") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        raise BundleError(f"{path}: bundle format {manifest.get('format')!r} is not {FORMAT_VERSION}",
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{path}: corrupt manifest (a JSON {type(manifest).__name__}, not an object)")
+    fmt = manifest.get("format")
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > FORMAT_VERSION:
+        # Made by a newer qic: rebuilding with this one would work but loses what the newer one does.
+        raise BundleError(f"{path}: bundle format {fmt} is newer than this qic reads ({FORMAT_VERSION})",
+                          "upgrade qic (pip install -U qic) to run it")
+    if fmt != FORMAT_VERSION:
+        raise BundleError(f"{path}: bundle format {fmt!r} is not {FORMAT_VERSION}",
                           "rebuild the bundle with this qic")
     if manifest.get("id") != bundle_id(manifest):
         raise BundleError(f"{path}: manifest content hash mismatch (the manifest was edited or damaged)")

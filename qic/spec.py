@@ -6,6 +6,7 @@ Every validation error names the key and the allowed values. Cache keys derive f
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,7 @@ def load_spec(config_path: str | Path | None = None, overrides: Mapping | None =
     embedded tiny model, as configs/tiny.yaml spells out), so the default build needs no file."""
     path = Path(config_path) if config_path else None
     raw = read_yaml_mapping(path) if path else {}
+    lines = key_lines(raw)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if "backend" in overrides and "device" not in overrides:
         raw.pop("device", None)  # the config's device belonged to its back end; use the new one's default
@@ -91,74 +93,153 @@ def load_spec(config_path: str | Path | None = None, overrides: Mapping | None =
         if flag in overrides and other not in overrides:
             raw.pop(other, None)
     merged = {**raw, **overrides}
-    return parse_spec(merged, source=str(path) if path else "the default build")
+    # A flag's value is named by the flag, not by the line of the file it replaced.
+    lines = {k: v for k, v in lines.items() if k not in overrides}
+    return parse_spec(merged, source=str(path) if path else "the default build", lines=lines)
+
+
+class _Mapping(dict):
+    """A config file's top-level mapping, remembering each key's line (1-based) for error messages."""
+    lines: dict
+
+
+def key_lines(raw: Mapping) -> dict:
+    return dict(getattr(raw, "lines", {}))
 
 
 def read_yaml_mapping(path: Path) -> dict:
-    """A build config (or warm matrix) file's mapping; one clear error when absent or malformed."""
+    """A build config (or warm matrix) file's mapping; one clear error when absent, unreadable or malformed,
+    with the line PyYAML reports."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})", "save the config as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of keys ({', '.join(KEYS)})")
-    return raw
+        raise ConfigError(f"{path}: expected a mapping of keys ({', '.join(KEYS)}), got {type(raw).__name__}")
+    out = _Mapping(raw)
+    out.lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, _ in node.value:
+            out.lines.setdefault(key_node.value, key_node.start_mark.line + 1)
+    return out
 
 
-def parse_spec(raw: Mapping, source: str = "config") -> BuildSpec:
-    unknown = sorted(set(raw) - set(KEYS))
+def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = None) -> BuildSpec:
+    """Every value checked by type: booleans take YAML booleans, lists lists (or the flags' comma form),
+    numbers numbers; anything else is a ConfigError naming the key, the value and the file (and line)."""
+    lines = dict(lines if lines is not None else key_lines(raw))
+
+    def at(key: str) -> str:
+        return f"{source}:{lines[key]}" if key in lines else source
+
+    unknown = sorted(set(map(str, raw)) - set(KEYS))
     if unknown:
-        raise ConfigError(f"{source}: unknown key {unknown[0]!r}; allowed keys: {', '.join(KEYS)}")
+        raise ConfigError(f"{at(unknown[0])}: unknown key {unknown[0]!r}; allowed keys: {', '.join(KEYS)}")
     d = BuildSpec()
-    backend = _choice(raw.get("backend", d.backend), BACKENDS, "backend", source)
+    backend = _choice(raw.get("backend", d.backend), BACKENDS, "backend", at("backend"))
     device = _choice(raw.get("device", backends.info(backend).DEFAULT_DEVICE), backends.all_devices(), "device",
-                     source)
+                     at("device"))
     if device not in backends.info(backend).DEVICES:
         targets = "; ".join(f"{n}: {' or '.join(backends.info(n).DEVICES)}" for n in BACKENDS)
-        raise ConfigError(f"{source}: backend {backend!r} cannot target device {device!r} ({targets})")
-    tp = raw.get("tp", d.tp)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ConfigError(f"{source}: tp must be a positive integer, got {tp!r}")
-    components = raw.get("components", list(COMPONENTS))
-    if isinstance(components, str):
-        components = [c.strip() for c in components.split(",")]
+        raise ConfigError(f"{at('device')}: backend {backend!r} cannot target device {device!r} ({targets})")
+    tp = _positive_int(raw.get("tp", d.tp), "tp", at("tp"))
+    components = _str_list(raw.get("components", list(COMPONENTS)), "components", at("components"))
     for c in components:
-        _choice(c, COMPONENTS, "components", source)
+        _choice(c, COMPONENTS, "components", at("components"))
     return BuildSpec(
-        model=raw.get("model", d.model) or None,
+        model=_optional_str(raw.get("model", d.model), "model", at("model")),
         backend=backend,
         device=device,
         tp=tp,
-        dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", source),
-        resolutions=tuple(parse_resolution(r, source) for r in _as_list(raw.get("resolutions", ["48x80"]))),
-        text_buckets=(buckets := _buckets(raw, source)),
+        dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", at("dtype")),
+        resolutions=tuple(parse_resolution(r, at("resolutions"))
+                          for r in _str_list(raw.get("resolutions", ["48x80"]), "resolutions", at("resolutions"))),
+        text_buckets=(buckets := _buckets(raw, at)),
         components=tuple(c for c in COMPONENTS if c in components),
-        output=str(raw.get("output", d.output)),
-        cache_dir=str(raw.get("cache_dir", d.cache_dir)),
-        layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", source),
-        full_hash=bool(raw.get("full_hash", False)),
-        scheduler=_scheduler(raw.get("scheduler") or {}, source),
-        defaults=(defaults := _defaults(raw.get("defaults") or {}, source)),
-        cfg=_cfg(raw.get("cfg"), dict(defaults), source),
-        loras=_loras(raw.get("loras") or [], source),
-        compiler_args=_compiler_args(raw.get("compiler_args", {}), source),
-        lnc=_choice(raw.get("lnc", 1), (1, 2), "lnc", source),
-        xla_check=_choice(raw.get("xla_check", True), (True, False), "xla_check", source),
-        cache_from=str(raw["cache_from"]) if raw.get("cache_from") else None,
-        cache_public_keys=tuple(str(k) for k in _as_list(raw.get("cache_public_keys") or [])),
-        cache_trusted=bool(raw.get("cache_trusted", False)),
-        batch_sizes=_batch_sizes(raw.get("batch_sizes", [1]), buckets, source),
+        output=_path(raw.get("output", d.output), "output", at("output")),
+        cache_dir=_path(raw.get("cache_dir", d.cache_dir), "cache_dir", at("cache_dir")),
+        layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", at("layers")),
+        full_hash=_bool(raw.get("full_hash", d.full_hash), "full_hash", at("full_hash")),
+        scheduler=_scheduler(_mapping(raw.get("scheduler"), "scheduler", at("scheduler")), at("scheduler")),
+        defaults=(defaults := _defaults(_mapping(raw.get("defaults"), "defaults", at("defaults")), at("defaults"))),
+        cfg=_cfg(raw.get("cfg"), dict(defaults), at("cfg")),
+        loras=_loras(raw.get("loras") or [], at("loras")),
+        compiler_args=_compiler_args(_mapping(raw.get("compiler_args"), "compiler_args", at("compiler_args")),
+                                     at("compiler_args")),
+        lnc=_choice(_positive_int(raw.get("lnc", d.lnc), "lnc", at("lnc")), (1, 2), "lnc", at("lnc")),
+        xla_check=_bool(raw.get("xla_check", d.xla_check), "xla_check", at("xla_check")),
+        cache_from=_optional_str(raw.get("cache_from"), "cache_from", at("cache_from")),
+        cache_public_keys=tuple(_str_list(raw.get("cache_public_keys") or [], "cache_public_keys",
+                                          at("cache_public_keys"))),
+        cache_trusted=_bool(raw.get("cache_trusted", d.cache_trusted), "cache_trusted", at("cache_trusted")),
+        batch_sizes=_batch_sizes(raw.get("batch_sizes", [1]), buckets, at("batch_sizes")),
     )
+
+
+def _bool(value, key: str, source: str) -> bool:
+    """YAML's true/false only: bool("false") is True, so a string here would turn a check off silently."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}",
+                          f"write {key}: true or {key}: false, unquoted")
+    return value
+
+
+def _positive_int(value, key: str, source: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _path(value, key: str, source: str) -> str:
+    """A directory: a non-empty string (null would become a directory named 'None')."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{source}: {key} must be a directory path (a non-empty string), got {value!r}")
+    return value
+
+
+def _optional_str(value, key: str, source: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{source}: {key} must be a string, got {value!r}")
+    return value
+
+
+def _mapping(value, key: str, source: str) -> Mapping:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: {key} must be a mapping, got {value!r}")
+    return value
+
+
+def _str_list(value, key: str, source: str) -> list[str]:
+    """A list of strings, or the flags' comma-separated form ('a,b'); a bare number is not a list."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{source}: {key} must be a list of strings (e.g. [a, b]), got {value!r}")
+    return list(value)
 
 
 def _batch_sizes(value, buckets: tuple[int, ...], source: str) -> tuple[int, ...]:
     """A list of positive ints (or '1,2' / one int); 1 is always built (`qic run` and unmatched requests)."""
-    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else (
-        value if isinstance(value, (list, tuple)) else [value])
-    if not items or not all(isinstance(v, (int, str)) and not isinstance(v, bool) and str(v).isdigit()
-                            and int(v) >= 1 for v in items):
+    items = _int_list(value)
+    if not items or not all(v >= 1 for v in items):
         raise ConfigError(f"{source}: batch_sizes must be a list of positive integers (e.g. [1, 2]), got {value!r}")
     sizes = {int(v) for v in items}
     if max(sizes) > 1 and 0 in buckets:
@@ -170,16 +251,20 @@ def _batch_sizes(value, buckets: tuple[int, ...], source: str) -> tuple[int, ...
 
 def _loras(value, source: str) -> tuple[tuple[str, float], ...]:
     """A list of 'FILE[:SCALE]' strings or {file, scale} mappings."""
+    if not isinstance(value, (list, tuple, str, Mapping)):
+        raise ConfigError(f"{source}: loras must be a list of FILE[:SCALE] or {{file, scale}}, got {value!r}")
     out = []
     for item in value if isinstance(value, (list, tuple)) else [value]:
+        if not isinstance(item, (str, Mapping)):
+            raise ConfigError(f"{source}: a loras entry must be FILE[:SCALE] or {{file, scale}}, got {item!r}")
         if isinstance(item, Mapping):
             if "file" not in item or set(item) - {"file", "scale"}:
                 raise ConfigError(f"{source}: a loras entry must be FILE[:SCALE] or {{file, scale}}, got {item!r}")
             path, scale = str(item["file"]), item.get("scale", 1.0)
         else:
             path, scale = parse_lora_arg(str(item))
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            raise ConfigError(f"{source}: LoRA scale for {path} must be a number, got {scale!r}")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise ConfigError(f"{source}: LoRA scale for {path} must be a finite number, got {scale!r}")
         out.append((path, float(scale)))
     return tuple(out)
 
@@ -207,14 +292,12 @@ def _cfg(value, defaults: dict, source: str) -> tuple[bool, ...]:
 
 
 def _scheduler(value, source: str) -> tuple:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{source}: scheduler must be a mapping of scheduler_config.json keys")
     check_overrides(value, source)
     return tuple(sorted(value.items()))
 
 
 def _defaults(value, source: str) -> tuple:
-    if not isinstance(value, Mapping) or set(value) - set(DEFAULT_KEYS):
+    if set(value) - set(DEFAULT_KEYS):
         raise ConfigError(f"{source}: defaults must be a mapping with keys {', '.join(DEFAULT_KEYS)}")
     steps, guidance = value.get("steps"), value.get("guidance")
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
@@ -229,9 +312,6 @@ def _defaults(value, source: str) -> tuple:
 
 def _compiler_args(value, source: str) -> tuple[tuple[str, str], ...]:
     """compiler_args: {component: "flags"} (neuron back end only)."""
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{source}: compiler_args must map components to flag strings, e.g. "
-                          "{denoiser: '--optlevel 2'}")
     for comp, flags in value.items():
         _choice(comp, COMPONENTS, "compiler_args component", source)
         if not isinstance(flags, str):
@@ -260,46 +340,53 @@ def parse_resolution(value, source: str = "config") -> tuple[int, int]:
 def parse_buckets(value, source: str = "config") -> tuple[int, ...]:
     """Text buckets as written: a list or comma-separated lengths ('72,128'), one length ('128' or 128 is
     the one bucket 128), or 0 alone for exact length (one graph with a dynamic text dimension)."""
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    elif not isinstance(value, (list, tuple)):
-        value = [value]
-    try:
-        buckets = tuple(sorted({int(v) for v in value}))
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: text_buckets {value!r} must be integers (e.g. 128 or 72,128)") from None
+    items = _int_list(value)
+    if items is None:
+        raise ConfigError(f"{source}: text_buckets {value!r} must be integers (e.g. 128 or 72,128)")
+    buckets = tuple(sorted(set(items)))
     if not buckets or any(b < 0 for b in buckets) or (0 in buckets and len(buckets) > 1):
         raise ConfigError(f"{source}: text_buckets {value!r}: use positive lengths, or 0 alone for exact length")
+    if max(buckets) > MAX_TEXT_BUCKET:
+        raise ConfigError(f"{source}: text_buckets {value!r}: the longest prompt the tokenizer gives is "
+                          f"{MAX_TEXT_BUCKET} tokens; a longer bucket is never used")
     return buckets
 
 
 def bucket_steps(step, source: str = "config") -> tuple[int, ...]:
     """text_bucket_step N: the buckets N, 2N, ... up to the first one that holds the longest prompt."""
     if not isinstance(step, int) or isinstance(step, bool):
-        try:
-            step = int(str(step).strip())
-        except ValueError:
-            raise ConfigError(f"{source}: text_bucket_step {step!r} must be a positive integer") from None
+        raise ConfigError(f"{source}: text_bucket_step {step!r} must be a positive integer")
     if step <= 0:
         raise ConfigError(f"{source}: text_bucket_step must be a positive integer, got {step}")
     return tuple(range(step, MAX_TEXT_BUCKET + step, step))
 
 
-def _buckets(raw: Mapping, source: str) -> tuple[int, ...]:
+def _buckets(raw: Mapping, at) -> tuple[int, ...]:
     if "text_bucket_step" in raw and "text_buckets" in raw:
-        raise ConfigError(f"{source}: give text_buckets or text_bucket_step, not both")
+        raise ConfigError(f"{at('text_bucket_step')}: give text_buckets or text_bucket_step, not both")
     if "text_bucket_step" in raw:
-        return bucket_steps(raw["text_bucket_step"], source)
-    return parse_buckets(raw.get("text_buckets", list(BuildSpec.text_buckets)), source)
+        return bucket_steps(raw["text_bucket_step"], at("text_bucket_step"))
+    return parse_buckets(raw.get("text_buckets", list(BuildSpec.text_buckets)), at("text_buckets"))
 
 
-def _as_list(v):
-    return [x.strip() for x in v.split(",")] if isinstance(v, str) else list(v)
+def _int_list(value) -> list[int] | None:
+    """Integers as a list, one integer, or the flags' comma form ('72,128'); None if anything is not an
+    integer (72.5 is refused rather than read as 72, True rather than read as 1)."""
+    if isinstance(value, str):
+        parts = [v.strip() for v in value.split(",") if v.strip()]
+        if not all(v.isdigit() for v in parts):
+            return None
+        return [int(v) for v in parts]
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        return None
+    return list(items)
 
 
 def _choice(value, allowed, key, source):
-    if value not in allowed:
-        raise ConfigError(f"{source}: {key} {value!r} is not one of: {', '.join(allowed)}")
+    # type(v) == type(value): True == 1 and 1.0 == 1, but neither is the lnc 1.
+    if isinstance(value, (list, dict)) or not any(value == v and type(v) is type(value) for v in allowed):
+        raise ConfigError(f"{source}: {key} {value!r} is not one of: {', '.join(map(str, allowed))}")
     return value
 
 

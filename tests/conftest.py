@@ -17,6 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 QIC = [sys.executable, "-m", "qic.cli"]
+FAULTY_QIC = [sys.executable, str(Path(__file__).parent / "fakes" / "faulty_qic.py")]   # a FAKE qic: faults in
 TINY_RES = (48, 80)      # (height, width), non-square on purpose
 SHORT_PROMPT = "a red bicycle"
 SECOND_RES = (32, 48)

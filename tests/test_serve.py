@@ -12,6 +12,7 @@ import base64
 import http.client
 import io
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ from PIL import Image
 from qic.errors import ConfigError
 from qic.serve.client import request
 from qic.serve.queue import Job, take_group
-from tests.conftest import QIC, ROOT, TINY_RES, qic
+from tests.conftest import BUCKETS, QIC, ROOT, TINY_RES, qic
 
 SIZE = "{1}x{0}".format(*TINY_RES)   # OpenAI's WIDTHxHEIGHT
 STEPS = 2
@@ -71,14 +72,15 @@ class FakeRunner:
 class ThreadServer:
     """The app on uvicorn in a thread of this process, on a free loopback port."""
 
-    def __init__(self, runner, **settings):
+    def __init__(self, runner, on_fail=None, **settings):
         import uvicorn
 
         from qic.serve.app import Settings, create_app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(create_app(runner, Settings(**settings)), access_log=False, log_config=None)
+        self.app = create_app(runner, Settings(**settings), on_fail=on_fail)
+        config = uvicorn.Config(self.app, access_log=False, log_config=None)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -185,6 +187,41 @@ def test_fake_runner_queue_full_is_429_with_retry_after_and_timeout_is_504():
     assert runner.batches == [[1]]   # the queued seed-2 job was dropped at its timeout
 
 
+def test_fake_runner_n_larger_than_the_queue_is_400_not_a_permanent_429():
+    # Before, the request was refused as "queue full" (429, retry after ...) however long it retried.
+    with ThreadServer(FakeRunner(), queue=2, max_n=4) as srv:
+        status, headers, body = request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "n": 4})
+        assert status == 400 and "retry-after" not in headers, body
+        assert body["error"]["param"] == "n" and "--queue 2" in body["error"]["message"], body
+        assert request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "n": 2})[0] == 200
+
+
+def test_fake_runner_fail_answers_503_to_health_and_every_waiting_request():
+    """app.state.fail (what `qic serve --tp N` calls when a rank dies): the running and the queued request
+    get 503 at once, not when the stuck batch gives up; so do later ones; /health turns 503 with the reason."""
+    runner = FakeRunner()
+    runner.gate.clear()
+    failed = []
+    with ThreadServer(runner, on_fail=failed.append) as srv, ThreadPoolExecutor(2) as pool:
+        running = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 1})
+        assert runner.started.wait(10)
+        queued = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 2})
+        scheduler = srv.app.state.scheduler
+        deadline = time.monotonic() + 10
+        while len(scheduler.pending) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        srv.app.state.fail("rank 1 has exited")   # from this thread, as a signal handler would
+        for f in (running, queued):
+            status, _, body = f.result(timeout=10)
+            assert status == 503 and "rank 1 has exited" in body["error"]["message"], body
+        status, _, health = request(srv.port, "GET", "/health")
+        assert status == 503 and health["status"] == "unavailable" and health["reason"] == "rank 1 has exited"
+        assert request(srv.port, "POST", "/v1/images/generations", {"prompt": "x"})[0] == 503
+        runner.gate.set()
+    assert [str(e) for e in failed] == ["rank 1 has exited"]
+
+
 # ------------------------------------------------------------------------ the real bundle, served
 
 class ServeProcess:
@@ -281,6 +318,51 @@ def test_burst_of_50_gets_images_or_429_and_memory_settles(server):
     assert after <= 1.10 * post_load
 
 
+def test_int_guidance_gives_the_png_bytes_of_qic_run(server, bundle, tmp_path):
+    """JSON `"guidance": 4` in a request and in a prompts-file line is one setting: the same PNG bytes, its
+    text chunk "4.0" as --guidance 4 writes. Before, run wrote the int as "4" and serve the float as "4.0"."""
+    settings = {"prompt": "a red bicycle", "steps": STEPS, "guidance": 4, "seed": 21}
+    status, _, body = request(server.port, "POST", "/v1/images/generations", settings)
+    assert status == 200, body
+    (tmp_path / "p.jsonl").write_text(json.dumps(settings) + "\n")
+    qic("run", bundle, "--prompts-file", tmp_path / "p.jsonl", "--output", tmp_path / "img.png")
+    written = (tmp_path / "img-000.png").read_bytes()
+    assert Image.open(io.BytesIO(written)).text["guidance"] == "4.0"
+    assert png_of(body) == written
+
+
+@pytest.fixture(scope="module")
+def nocfg_bundle(bundle, workdir, cache_dir, tiny_ckpt):
+    """A Lightning-style bundle: run defaults of 8 steps and guidance 1 (an int, as a config writes it),
+    only the no-CFG step graph. Bucket 72 like tests/test_variants.py's, so one of the two compiles it."""
+    config = workdir / "serve-nocfg.yaml"
+    config.write_text(json.dumps({
+        "model": str(tiny_ckpt), "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": BUCKETS[0],
+        "cfg": False, "defaults": {"steps": 8, "guidance": 1},
+        "cache_dir": str(cache_dir), "output": str(workdir / "bundle-serve-nocfg")}))
+    qic("build", config)
+    return workdir / "bundle-serve-nocfg"
+
+
+def test_request_without_steps_or_guidance_gets_qic_runs_defaults(nocfg_bundle, tmp_path):
+    """Before, the API's own defaults (20 steps, guidance 4) applied: true CFG, which this bundle has no
+    graph for, so the request failed instead of giving `qic run`'s image."""
+    srv = ServeProcess(nocfg_bundle, tmp_path / "serve.log")
+    try:
+        status, _, body = request(srv.port, "POST", "/v1/images/generations", {"prompt": "a red bicycle", "seed": 3})
+        # True CFG, which the bundle has no graph for, is refused when the request is checked (it was a 500).
+        cfg_status, _, cfg_body = request(srv.port, "POST", "/v1/images/generations",
+                                          {"prompt": "a red bicycle", "guidance": 4.0})
+    finally:
+        srv.close()
+    assert status == 200, (body, srv.log_path.read_text())
+    assert cfg_status == 400 and "asks for true CFG" in cfg_body["error"]["message"], cfg_body
+    qic("run", nocfg_bundle, "--prompt", "a red bicycle", "--seed", 3, "--output", tmp_path / "run.png")
+    assert png_of(body) == (tmp_path / "run.png").read_bytes()
+    meta = Image.open(io.BytesIO(png_of(body))).text
+    assert (meta["steps"], meta["guidance"]) == ("8", "1.0")
+
+
 BAD_REQUESTS = {
     "not_json": (b"{prompt: 'a cat'", None),
     "json_not_an_object": (b'["a cat"]', None),
@@ -368,6 +450,66 @@ def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, t
         assert srv.proc.wait(60) == 0, srv.log_path.read_text()
         psutil.wait_procs(ranks, timeout=10)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    finally:
+        srv.close()
+
+
+def _rank_waits_for_notice(rank: int, tp: int) -> bool:
+    if rank == 1:
+        time.sleep(2)   # rank 0 has its handler by then (the signal's default action would end it too)
+        os._exit(5)     # dies without a word, as a crash would
+    noticed = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: noticed.set())
+    return noticed.wait(60)
+
+
+def test_spawn_notify_signals_the_ranks_left_when_one_dies():
+    """What `qic serve --tp N` relies on: rank 0, waiting on no collective, hears of rank 1's death at once."""
+    from qic.parallel.ranks import RankFailure, spawn
+    t = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        spawn(_rank_waits_for_notice, 2, timeout=None, notify=signal.SIGUSR1)
+    rank0, rank1 = info.value.outcomes
+    assert rank0.ok and rank0.value is True and rank1.exitcode == 5, info.value.outcomes
+    assert time.monotonic() - t < 60
+
+
+def tp_ranks(srv: ServeProcess) -> tuple[psutil.Process, psutil.Process]:
+    """(rank 0, rank 1) of a tp=2 server: rank 0 is the child listening on the port."""
+    kids = [k for k in psutil.Process(srv.proc.pid).children() if "resource_tracker" not in " ".join(k.cmdline())]
+    listens = {k.pid: any(c.status == psutil.CONN_LISTEN and c.laddr.port == srv.port for c in k.net_connections("tcp"))
+               for k in kids}
+    [rank0] = [k for k in kids if listens[k.pid]]
+    [rank1] = [k for k in kids if not listens[k.pid]]
+    return rank0, rank1
+
+
+def test_tp2_server_follower_death_is_503_and_a_non_zero_exit(bundle_tp2, tmp_path):
+    """A dead rank makes every image impossible: the server must say so and exit for its supervisor to
+    restart it. Before, /health kept answering ok and the parent waited on the ranks for a year."""
+    srv = ServeProcess(bundle_tp2, tmp_path / "serve.log", "--tp", 2)
+    try:
+        assert gen(srv.port, seed=4)[0] == 200
+        rank0, rank1 = tp_ranks(srv)
+        rank1.kill()
+        t = time.monotonic()
+        while True:   # until /health is 503 or the port is closed (the server is stopping)
+            try:
+                status, _, health = request(srv.port, "GET", "/health", timeout=2)
+            except OSError:
+                break
+            if status == 503:
+                assert "rank has exited" in health["reason"], health
+                break
+            assert time.monotonic() - t < 10, "/health still says ok 10 s after rank 1 died"
+            time.sleep(0.05)
+        code = srv.proc.wait(30)
+        log = srv.log_path.read_text()
+        assert code != 0, log
+        assert "rank 1: exited with code -9" in log and "a tensor-parallel rank has exited" in log, log
+        print(f"rank 1 killed: server exited {code} after {time.monotonic() - t:.1f} s")
+        psutil.wait_procs([rank0], timeout=10)
+        assert not rank0.is_running() or rank0.status() == psutil.STATUS_ZOMBIE
     finally:
         srv.close()
 

@@ -26,7 +26,7 @@ def test_a_step_is_its_own_key_and_flag(tmp_path):
     buckets = parse_spec({"text_bucket_step": 64}).text_buckets
     assert buckets[:3] == (64, 128, 192) and buckets[-1] >= MAX_TEXT_BUCKET > buckets[-2]
     # A flag of either form replaces the config's buckets in the other form.
-    assert _spec(tmp_path, "text_buckets: [72]\n", text_bucket_step="512").text_buckets == (512, 1024, 1536)
+    assert _spec(tmp_path, "text_buckets: [72]\n", text_bucket_step=512).text_buckets == (512, 1024, 1536)
     assert _spec(tmp_path, "text_bucket_step: 64\n", text_buckets="128").text_buckets == (128,)
     with pytest.raises(ConfigError, match="not both"):
         parse_spec({"text_buckets": [128], "text_bucket_step": 64})

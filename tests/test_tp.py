@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from qic.builder.components import COMPONENTS
 from qic.builder.shard import shard_component
-from qic.checkpoint.presets import preset
+from qic.checkpoint.presets import TOKENIZER_VOCAB, preset
 from qic.checkpoint.reader import Checkpoint
 from qic.errors import ConfigError
 from qic.models.mmdit import MMDiTConfig, QwenMMDiT, rope_tables
@@ -420,6 +420,80 @@ def test_tp_beyond_kv_heads_is_refused(tp_ckpt, tmp_path):
         shard_component(ckpt, COMPONENTS["text_encoder"], cfg, ckpt.digest(), 8, "float32", tmp_path)
 
 
+# The embedded tokenizer's 1024 ids plus one added token, as a fine-tune adds them: TP 2 and 4 do not divide it.
+ODD_VOCAB = TOKENIZER_VOCAB + 1
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_ckpt(tp_ckpt, tmp_path_factory) -> Path:
+    """tp_ckpt with a text encoder of ODD_VOCAB rows, its weights re-drawn with sensitize_."""
+    root = tmp_path_factory.mktemp("tp-odd") / "ckpt"
+    shutil.copytree(tp_ckpt, root)
+    raw = {**_configs()["text_encoder"], "vocab_size": ODD_VOCAB}
+    te = root / "text_encoder"
+    (te / "config.json").write_text(json.dumps(raw, indent=2))
+    sd = sensitize_(QwenTextEncoder(TextEncoderConfig.from_dict(raw), 1), seed=7).state_dict()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(te / "model.safetensors"))
+    return root
+
+
+def _odd_inputs() -> tuple:
+    """Ids on both sides of every rank boundary at TP 2 (513 rows a rank) and TP 4 (257), and the last id."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, ODD_VOCAB, (2, 20), generator=g)
+    ids[:, :9] = torch.tensor([0, 256, 257, 512, 513, 514, 770, 771, ODD_VOCAB - 1])
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 15:] = 0
+    return ids, mask
+
+
+def _rank_odd_vocab(rank: int, tp: int, raw: dict, files: list) -> torch.Tensor:
+    m = QwenTextEncoder(TextEncoderConfig.from_dict(raw), tp).eval()
+    m.load_state_dict(load_file(files[rank]), strict=True)
+    T.apply_tp(m)
+    with torch.no_grad():
+        return m(*_odd_inputs())
+
+
+def test_vocab_not_divisible_by_tp_is_padded(odd_vocab_ckpt, tmp_path_factory):
+    """A text-encoder vocabulary of 1025 at TP 2 and 4 (once refused as not divisible): stage 1 gives every
+    rank ceil(1025 / TP) rows, the surplus rows zeros at the end, the memory plan counts those shapes, and
+    the ranks' text-encoder output equals TP 1 within REL_MAX (the all_reduce bound above; the embedding
+    itself adds exact zeros, test_vocab_embedding_and_gather_linear_reassemble). The image:
+    test_tp4_final_image_equals_tp1."""
+    from qic.builder.memplan import weight_bytes
+    ckpt = Checkpoint(odd_vocab_ckpt)
+    raw = ckpt.config("text_encoder")
+    cfg = TextEncoderConfig.from_dict(raw)
+    assert cfg.vocab_size == ODD_VOCAB
+    ref = QwenTextEncoder(cfg, 1).eval()
+    ref.load_state_dict(COMPONENTS["text_encoder"].convert(ckpt.weights("text_encoder").load()))
+    whole = ref.model.embed_tokens.weight.detach()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, like each rank
+    try:
+        with torch.no_grad():
+            want = ref(*_odd_inputs())
+    finally:
+        torch.set_num_threads(threads)
+    cache = tmp_path_factory.mktemp("tp-odd-cache")
+    for tp in (2, 4):
+        res = shard_component(ckpt, COMPONENTS["text_encoder"], cfg, ckpt.digest(), tp, "float32", cache)
+        ranks = [load_file(str(f)) for f in res.files]
+        rows = -(-ODD_VOCAB // tp)
+        table = torch.cat([r["model.embed_tokens.weight"] for r in ranks])
+        assert table.shape == (rows * tp, cfg.hidden_size), tp
+        assert torch.equal(table[:ODD_VOCAB], whole) and not table[ODD_VOCAB:].any(), tp
+        assert [int(r["model.embed_tokens.vocab_start"]) for r in ranks] == [k * rows for k in range(tp)]
+        assert weight_bytes("text_encoder", cfg, tp, "float32") == sum(b for b, _ in _data_bytes(res.files[0]).values())
+        outs = T.spawn(_rank_odd_vocab, tp, raw, [str(f) for f in res.files], timeout=300)
+        for r, out in enumerate(outs):
+            c, e = cosine(out, want), rel_l2(out, want)
+            FIGURES[f"text_encoder vocab {ODD_VOCAB} tp={tp} rank{r}"] = f"cos {c:.9f} rel-L2 {e:.2e}"
+            assert c >= COS_MIN and e < REL_MAX, (tp, r, c, e)
+            assert torch.equal(out, outs[0]), (tp, r)
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def eager_run(request, tp_ckpt, shards):
     tp = request.param
@@ -603,21 +677,23 @@ def test_tp2_bundle_runs_and_matches_tp1(bundle, bundle_tp2, tmp_path):
     assert p.returncode == 2 and "built for tp=1" in p.stderr
 
 
-def test_tp4_final_image_equals_tp1(tp_ckpt, workdir, cache_dir, tmp_path):
-    """A config whose heads divide by 4: TP=4 bundle image vs the TP=1 image (eager reference)."""
+def test_tp4_final_image_equals_tp1(odd_vocab_ckpt, workdir, cache_dir, tmp_path):
+    """A config whose heads divide by 4 and whose text vocabulary (1025: an added token) does not, so the
+    embedding is padded: TP=4 bundle image vs the TP=1 image (eager reference)."""
     from PIL import Image
 
     from qic.builder.eager import EagerModel
     from qic.runtime.generate import Request, generate
     from tests.conftest import SHORT_PROMPT, TINY_RES, image_diff, qic
     out = workdir / "bundle-tp4"
-    qic("build", "--model", tp_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "4",
+    qic("build", "--model", odd_vocab_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "4",
         "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128")
     png = tmp_path / "tp4.png"
     qic("run", out, "--prompt", SHORT_PROMPT, "--steps", "4", "--seed", "2", "--output", png)
-    ref = generate(EagerModel(tp_ckpt, [TINY_RES], [128]), Request(SHORT_PROMPT, steps=4, seed=2)).image
+    eager = EagerModel(odd_vocab_ckpt, [TINY_RES], [128])
+    ref = generate(eager, Request(SHORT_PROMPT, steps=4, seed=2)).image
     mx, mean = image_diff(Image.open(png), ref)
     print(f"TP=4 vs TP=1 image: max {mx:.0f}/255 mean {mean:.4f}")
     assert mx <= 2.0
-    other = generate(EagerModel(tp_ckpt, [TINY_RES], [128]), Request(SHORT_PROMPT, steps=4, seed=2, guidance=3.0))
+    other = generate(eager, Request(SHORT_PROMPT, steps=4, seed=2, guidance=3.0))
     assert image_diff(Image.open(png), other.image)[0] > 2.0

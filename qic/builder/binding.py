@@ -40,8 +40,11 @@ def bound_module(ctx: Context, component: str, weights_path: Path | None) -> tor
         module = comp.make_module(ctx.configs[component], tp_size=tp, looped=looped(ctx.spec, component))
     if weights_path is not None:
         tensors = mmap_safetensors(weights_path)
-    else:  # shards hold every tensor in the component's dtype (stage 1)
-        tensors = {n: torch.empty(shape, dtype=dtype) for n, shape in shard_shapes(ctx, component).items()}
+    else:  # shards hold every float tensor in the component's dtype (stage 1), integer ones (a rank's
+        # vocab_start) in their own: an index must stay an integer for the graph to trace
+        own = module.state_dict()
+        tensors = {n: torch.empty(shape, dtype=dtype if own[n].is_floating_point() else own[n].dtype)
+                   for n, shape in shard_shapes(ctx, component).items()}
     module.load_state_dict(tensors, strict=True, assign=True)
     module = module.to(dtype)
     if tp > 1:

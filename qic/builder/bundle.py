@@ -18,13 +18,10 @@ from pathlib import Path
 import torch
 
 from qic import __version__
+from qic.checkpoint.reader import TOKENIZER_FILES
 from qic.fsutil import link_or_copy, make_temp_dir, replace_dir, sweep_stale
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.manifest import MANIFEST, file_entry, finalize
-
-# Files of a tokenizer directory the runtime may read (either form).
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "added_tokens.json",
-                    "special_tokens_map.json")
 
 
 def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bool:
@@ -37,7 +34,7 @@ def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bo
     tmp = make_temp_dir(out)
     try:
         files: list[str] = []
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:
             src = ctx.ckpt.tokenizer_dir / name
             if src.is_file():
                 _copy(src, tmp / "tokenizer" / name)

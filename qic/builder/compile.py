@@ -21,10 +21,9 @@ Two keys per graph:
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,9 +36,6 @@ from qic.fsutil import staging_dir
 from qic.manifest import sha256_file
 from qic.weights import named_tensors
 
-# Fault injection for the warm tests: a graph whose name contains this fails before it compiles.
-_TEST_FAIL = os.environ.get("QIC_TEST_FAIL_GRAPH", "")
-
 
 @dataclass(frozen=True)
 class GraphArtifact:
@@ -48,6 +44,8 @@ class GraphArtifact:
     meta: dict            # file, constant names, which are graph-owned, inputs/outputs, sizes
     cached: bool
     seconds: float
+    # The entry's users lock (qic.cache.layout.graph_users), held shared while the artifact is referenced.
+    users: object = field(default=None, repr=False, compare=False)
 
 
 def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, weight_names: set[str],
@@ -63,12 +61,18 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
     t0 = time.perf_counter()
     gkey = layout.read_memo(cache_dir, skey)
     if gkey is not None:
+        # Held (shared: builds do not serialise) from the check until the artifact is dropped, since the
+        # bundle step reads the entry's files after this returns: `qic cache prune` skips it meanwhile.
+        users = layout.graph_users(cache_dir, gkey)
+        users.acquire()
         hit = store.lookup(cache_dir, gkey, identity, quiet=True)
         if hit is None:  # stale or damaged: the locked path below reports and replaces it
             with layout.graph_lock(cache_dir, gkey):
                 hit = store.lookup(cache_dir, gkey, identity)
         if hit:
-            return GraphArtifact(gkey, layout.graph_dir(cache_dir, gkey), hit, True, time.perf_counter() - t0)
+            return GraphArtifact(gkey, layout.graph_dir(cache_dir, gkey), hit, True, time.perf_counter() - t0,
+                                 users)
+        users.release()
     if callable(gdef):
         gdef = gdef()
     gdef.module.eval()
@@ -78,17 +82,17 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
     owned.update(traced.constants)
     gkey = graph_key_from(traced.digest, gdef, owned, identity)
     final = layout.graph_dir(cache_dir, gkey)
+    users = layout.graph_users(cache_dir, gkey)   # as on a memo hit, taken before the entry can exist
+    users.acquire()
     with layout.graph_lock(cache_dir, gkey):
         meta = _find(cache_dir, gkey, identity, remote)
         cached = meta is not None
         if meta is None:
             with staging_dir(final) as tmp:
-                if _TEST_FAIL and _TEST_FAIL in gdef.name:
-                    raise RuntimeError(f"injected compile failure for {gdef.name} (QIC_TEST_FAIL_GRAPH)")
                 compiled = backend.compile(traced, tmp)
                 meta = _seal(tmp, gdef, compiled, traced.weight_names, owned, identity, gkey, t0, sign)
     layout.write_memo(cache_dir, skey, gkey)
-    return GraphArtifact(gkey, final, meta, cached, time.perf_counter() - t0)
+    return GraphArtifact(gkey, final, meta, cached, time.perf_counter() - t0, users)
 
 
 def _find(cache_dir: Path, gkey: str, identity: dict, remote) -> dict | None:

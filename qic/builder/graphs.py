@@ -118,3 +118,16 @@ def vae_decoder_graph(weights_module, height: int, width: int, batch: int = 1) -
     latents = torch.zeros(batch, rows * cols, 4 * module.config.z_dim, dtype=torch.float32)
     return GraphDef(graph_name("vae_decoder", (height, width), batch=batch), "vae_decoder", module,
                     [("latents", latents)], ["image"], shape={"resolution": [height, width]} | _batch_shape(batch))
+
+
+def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
+    """The GraphDef of one graph around a component module (weights bound, or fake for estimates), by the
+    shape qic.builder.jobs plans."""
+    batch = shape.get("batch", 1)
+    if component == "text_encoder":
+        return text_encoder_graph(module, shape["bucket"], batch)
+    if component == "denoiser":
+        h, w = shape["resolution"]
+        return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
+                              shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch)
+    return vae_decoder_graph(module, *shape["resolution"], batch)

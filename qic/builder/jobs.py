@@ -8,6 +8,8 @@ entries left out), the graph's shapes, dtype, TP degree and the back end's ident
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from pathlib import Path
 from qic import __version__
 from qic.builder.components import COMPONENTS
 from qic.builder.context import looped, tp_of
-from qic.builder.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.builder.graphs import make_graph
 from qic.graph_names import graph_name
 
 # Which checkpoint configs each component's graphs depend on (the denoiser step packs latents by the VAE's scale).
@@ -24,8 +26,10 @@ CONFIG_DEPS = {"text_encoder": ("text_encoder",), "denoiser": ("transformer", "v
 # Config entries that say which tool wrote a file, not what the graph computes: a checkpoint variant saved by
 # another diffusers/transformers (Qwen-Image-2512 vs Qwen-Image) keeps the spec key, so it exports nothing.
 PROVENANCE_KEYS = ("_diffusers_version", "_name_or_path", "transformers_version", "_commit_hash")
-# qic's own code that shapes a graph (paths relative to the package); edits to it invalidate spec keys.
-CODE = ("models", "builder/graphs.py", "backends")
+# Where the code that shapes a graph starts: the graph makers, the models, TP's rewrite (applied before
+# export) and every back end's build half. What they import, at any depth and inside functions too, is
+# found by code_files(), so a module they come to use is keyed without anyone listing it.
+CODE_ROOTS = ("qic.builder.graphs", "qic.models", "qic.parallel.tp", "qic.backends")
 _QIC = Path(__file__).resolve().parent.parent
 
 
@@ -41,12 +45,60 @@ class GraphJob:
 
 
 def code_digest() -> str:
+    """The spec keys' digest of qic's graph-shaping code: every file code_files() finds; edits invalidate."""
     h = hashlib.sha256(__version__.encode())
-    for entry in CODE:
-        p = _QIC / entry
-        for f in sorted([p] if p.is_file() else p.rglob("*.py")):
-            h.update(f.relative_to(_QIC).as_posix().encode() + b"\0" + f.read_bytes())
+    for f in code_files():
+        h.update(f.relative_to(_QIC).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
+
+
+@functools.cache
+def code_files() -> tuple[Path, ...]:
+    """The source files of CODE_ROOTS (a package: all its modules) and of every qic module they import."""
+    seen: set[Path] = set()
+    todo = [f for root in CODE_ROOTS for f in _module_files(root)]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for name in _imported(f):
+            todo += _module_files(name)
+    return tuple(sorted(seen))
+
+
+def _module_files(name: str) -> list[Path]:
+    """The file(s) of a qic module or package (its __init__ and, for a package named as a root, all of it);
+    [] for what is not qic's, or is a name inside a module (`from qic.x import y`, y not a module)."""
+    parts = name.split(".")
+    if parts[0] != "qic":
+        return []
+    base = _QIC.joinpath(*parts[1:])
+    if base.with_suffix(".py").is_file():
+        return [base.with_suffix(".py")]
+    if (base / "__init__.py").is_file():
+        return sorted(base.rglob("*.py")) if name in CODE_ROOTS else [base / "__init__.py"]
+    return []
+
+
+def _imported(path: Path) -> set[str]:
+    """Every module an import statement in the file names (`from a import b`: a, and a.b if b is a module)."""
+    out = set()
+    package = ".".join(("qic", *path.relative_to(_QIC).with_suffix("").parts))
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package, one level up per extra dot
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    # An enclosing package's __init__ runs on import too: `import qic.a.b` runs qic/a/__init__.py.
+    return out | {n.rsplit(".", i)[0] for n in list(out) for i in range(1, n.count(".") + 1)}
 
 
 def spec_key(gdef_name: str, shape: dict, dtype: str, tp: int, configs: dict, identity: dict, code: str) -> str:
@@ -90,18 +142,6 @@ def graph_shapes(spec) -> list[tuple[str, dict]]:
     if "vae_decoder" in spec.components:
         out += [("vae_decoder", {"resolution": [h, w]} | n) for n in batches for h, w in spec.resolutions]
     return out
-
-
-def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
-    """The GraphDef of one graph around a component module (weights bound, or fake for estimates)."""
-    batch = shape.get("batch", 1)
-    if component == "text_encoder":
-        return text_encoder_graph(module, shape["bucket"], batch)
-    if component == "denoiser":
-        h, w = shape["resolution"]
-        return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
-                              shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch)
-    return vae_decoder_graph(module, *shape["resolution"], batch)
 
 
 def name_of(component: str, shape: dict) -> str:

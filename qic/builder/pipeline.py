@@ -92,7 +92,7 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     report.warnings += finished.warnings
 
     # Stage 3: the bundle.
-    build_key = _build_key(spec, digest, shards, artifacts)
+    build_key = _build_key(spec, digest, ctx.ckpt.tokenizer_digest(), shards, artifacts)
     t = time.perf_counter()
     written = write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key)
     report.up_to_date = not written
@@ -101,10 +101,10 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     return report
 
 
-def _build_key(spec, digest, shards, artifacts) -> str:
+def _build_key(spec, digest, tokenizer, shards, artifacts) -> str:
     where = ("output", "cache_dir", "cache_from", "cache_public_keys", "cache_trusted")  # not what is built
     body = {"spec": {k: v for k, v in spec.to_json().items() if k not in where},
-            "checkpoint": digest, "shards": {k: v.key for k, v in shards.items()},
+            "checkpoint": digest, "tokenizer": tokenizer, "shards": {k: v.key for k, v in shards.items()},
             "graphs": [a.graph_key for a in artifacts], "qic": __version__, "torch": torch.__version__,
             "neffs": [a.meta.get("neff", {}).get("sha256") for a in artifacts]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +29,6 @@ from qic.dtypes import TORCH_DTYPES
 from qic.errors import CheckpointError
 from qic.fsutil import leftover_name, staging_dir, write_json_atomic
 from qic.parallel import plans
-
-# Fault-injection for the interruption tests: seconds to pause after each tensor written.
-_TEST_DELAY = float(os.environ.get("QIC_TEST_SHARD_DELAY", "0"))
 
 
 @dataclass(frozen=True)
@@ -95,18 +91,24 @@ def _stamp(p: Path) -> list[int]:
 
 def _intact(final: Path, tp: int) -> tuple[Path, ...] | None:
     """A cached entry is used only if every rank file is there with the size and mtime it was written
-    with (a file edited in place, e.g. through a bundle's hard link, makes it a miss)."""
-    meta_path = final / "meta.json"
-    if not meta_path.is_file():
+    with (a file edited in place, e.g. through a bundle's hard link, makes it a miss). A hit touches
+    meta.json: its mtime is the entry's last use, for `qic cache prune`."""
+    if not final.is_dir():
         return None
+    meta_path = final / "meta.json"
     try:
         stamps = json.loads(meta_path.read_text())["files"]
         files = tuple(final / f"rank{r}.safetensors" for r in range(tp))
         if all(p.is_file() and _stamp(p) == stamps[p.name] for p in files):
+            try:
+                os.utime(meta_path)
+            except OSError:   # a read-only cache: no record of use, still a hit
+                pass
             return files
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, TypeError):
         pass
-    # Damaged entry: move it aside so the rebuild can take its place.
+    # Damaged (no or bad meta.json, a rank file missing or edited): move it aside so that the rebuild can
+    # take its place; left in place, the rebuild's staging dir could never be renamed over it.
     os.rename(final, final.with_name(leftover_name(".tmp", final.name, "damaged")))
     return None
 
@@ -230,8 +232,6 @@ def _write_ranks(paths: list[Path], plan: list[_Entry], extras: list[dict], info
                 if progress:
                     progress(part.numel() * dtype.itemsize)
             del t, part
-            if _TEST_DELAY:
-                time.sleep(_TEST_DELAY)
         for rank, f in enumerate(outs):  # after the streamed tensors, as the header orders them
             for t in extras[rank].values():
                 f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))

@@ -11,6 +11,7 @@ derives the same list and `--shard I/N` for I = 1..N covers each job exactly onc
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import traceback
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from qic.builder.jobs import plan_jobs
 from qic.cache import layout, store
 from qic.cache.signing import load_private_key
 from qic.errors import ConfigError, QicError, warn
+from qic.fsutil import write_bytes_atomic
 
 # Keys whose list value is an axis of the matrix (resolutions, text buckets, components are lists anyway).
 AXES = ("model", "backend", "device", "tp", "dtype", "layers")
@@ -171,3 +173,8 @@ def summary(rows: list[WarmRow]) -> dict:
 
 def report_json(total: int, rows: list[WarmRow], shard: str | None) -> dict:
     return {"shard": shard or "1/1", "matrix_jobs": total, "summary": summary(rows), "rows": [asdict(r) for r in rows]}
+
+
+def write_report(path: str | Path, total: int, rows: list[WarmRow], shard: str | None) -> None:
+    """The JSON report, atomically: CI jobs and dashboards that read it never see half a file."""
+    write_bytes_atomic(Path(path), (json.dumps(report_json(total, rows, shard), indent=2) + "\n").encode())

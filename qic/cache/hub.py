@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import random
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from qic.cache import layout, store
 from qic.errors import ConfigError, warn
+from qic.fsutil import make_temp_dir
 
 RETRIES = 6
 HUB_SCHEME = "hf://"
@@ -64,7 +64,8 @@ class HubRemote:
         from huggingface_hub.errors import EntryNotFoundError
         cache_dir = Path(cache_dir)
         layout.graphs_dir(cache_dir).mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=layout.graphs_dir(cache_dir), prefix=f".tmp-pull-{gkey}-"))
+        # A leftover name with this process as owner: a killed pull's download is swept (qic.fsutil).
+        tmp = make_temp_dir(layout.graphs_dir(cache_dir) / f"pull-{gkey}")
         try:
             get = lambda name: hf_hub_download(self.repo_id, f"{_prefix(gkey)}/{name}",  # noqa: E731
                                                revision=revision, local_dir=tmp)
@@ -119,7 +120,7 @@ class HubRemote:
             return []
         ops = {k: [CommitOperationAdd(f"{_prefix(k)}/{p.name}", str(p))
                    for p in sorted(local[k].path.iterdir(), key=lambda p: p.name == store.DONE)  # done last
-                   if p.is_file()] for k in todo}
+                   if p.is_file() and p.name != store.ORIGIN] for k in todo}   # where *we* got it: ours
         # Blobs first: a conflicting commit then only costs the (cheap) commit, not the uploads.
         self.api.preupload_lfs_files(self.repo_id, additions=[op for k in todo for op in ops[k]])
         for attempt in range(RETRIES):

@@ -3,7 +3,9 @@
 A remote entry is native code this machine will run, so a matching hash proves nothing about who made
 it: it is used only if its Ed25519 signature verifies against a configured public key, or the user
 marked the store trusted. Otherwise it is refused with one line and the graph is compiled locally.
-The entry is checked again (hashes, toolchain identity) after it lands in the local store.
+Every check (signature, hashes, toolchain identity, key) runs on the copy in local staging, never on the
+remote's files, so a remote that changes between check and copy cannot slip anything in (store.adopt);
+the adopted entry's origin.json records the store it came from.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from qic.errors import ConfigError
+from qic.fsutil import write_bytes_atomic
 from qic.manifest import canonical
 
 SIGNATURE = "signature.json"
@@ -84,8 +85,11 @@ def keygen(path: Path) -> tuple[Path, str]:
     pem = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with os.fdopen(fd, "wb") as f:   # O_EXCL: never over another key, even one made meanwhile
         f.write(pem)
+        f.flush()
+        os.fsync(f.fileno())
     pub = public_key_hex(key)
-    Path(f"{path}.pub").write_text(pub + "\n")
+    # Atomic: a crash leaves no .pub or a whole one, never a truncated key that users would publish.
+    write_bytes_atomic(Path(f"{path}.pub"), (pub + "\n").encode())
     return Path(f"{path}.pub"), pub

@@ -87,6 +87,11 @@ class ComponentWeights:
         return {n: read_tensor(self.info(n)) for n in names}
 
 
+# Files of a tokenizer directory the runtime may read (either form): copied into bundles, and keyed.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "added_tokens.json",
+                   "special_tokens_map.json")
+
+
 class Checkpoint:
     """A diffusers-layout Qwen-Image directory (model_index.json + component folders)."""
 
@@ -109,6 +114,16 @@ class Checkpoint:
     @property
     def tokenizer_dir(self) -> Path:
         return self.root / "tokenizer"
+
+    def tokenizer_digest(self) -> str:
+        """The tokenizer files' contents (small, so hashed whole): a bundle built from an edited tokenizer is
+        a new bundle. Kept out of `digest`, which keys the weight shards a tokenizer does not change."""
+        h = hashlib.sha256(b"qic-tokenizer-digest-v1")
+        for name in TOKENIZER_FILES:
+            path = self.tokenizer_dir / name
+            if path.is_file():
+                h.update(name.encode() + b"\0" + sha256_file(path).encode() + b"\0")
+        return h.hexdigest()
 
     def digest(self, components: Iterable[str] = FOLDERS, full: bool = False) -> str:
         """A cheap identity of the checkpoint: configs, headers, sizes, plus per-file content identity.

@@ -6,33 +6,68 @@ Errors users can fix print as one line plus the fix, never a traceback.
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from functools import wraps
 
 import click
 
 
+def debugging() -> bool:
+    """--debug or QIC_DEBUG=1: failures show their traceback (the flag sets the variable, so spawned ranks
+    and torchrun's see it too)."""
+    return os.environ.get("QIC_DEBUG", "") not in ("", "0")
+
+
 def _friendly(fn):
+    """The CLI's one error path: whatever reaches the top prints as `error: ...` (and `fix: ...`) and exits 2;
+    the traceback only under --debug. Writes are atomic (qic.fsutil), so a failure leaves nothing half-written."""
     @wraps(fn)
     def wrapper(*args, **kwargs):
         from qic.errors import QicError
         try:
             return fn(*args, **kwargs)
-        except QicError as e:
-            click.echo(f"error: {e.message}", err=True)
-            if e.hint:
-                click.echo(f"  fix: {e.hint}", err=True)
-            sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise   # click's own usage errors and exits already print one line
+        except Exception as e:
+            if debugging():
+                raise
+            message, hint = _explain(e, QicError)
+            click.echo(f"error: {message}", err=True)
+            if hint:
+                click.echo(f"  fix: {hint}", err=True)
+            sys.exit(2)
     return wrapper
+
+
+def _explain(e: Exception, user_error: type) -> tuple[str, str | None]:
+    """(one line, a fix) for any failure: our own errors say both; the system's say which file and why."""
+    if isinstance(e, user_error):
+        return e.message, e.hint
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        reason = e.strerror or str(e) or type(e).__name__
+        hints = {errno.ENOSPC: "free some disk space (nothing half-written was kept) and rerun",
+                 errno.EDQUOT: "free some disk space (nothing half-written was kept) and rerun",
+                 errno.EACCES: "choose a path you can write to, or fix its permissions",
+                 errno.EROFS: "choose a path on a writable file system"}
+        return f"{where}{reason}", hints.get(e.errno)
+    text = str(e).splitlines()[0] if str(e) else ""
+    return (f"internal error: {type(e).__name__}{': ' + text if text else ''}",
+            "rerun with --debug (or QIC_DEBUG=1) for the traceback, and report it")
 
 
 @click.group()
 @click.version_option(package_name="qic")
-def main():
+@click.option("--debug", is_flag=True, help="Show the traceback of any failure (also: QIC_DEBUG=1).")
+def main(debug):
     """qic: compile Qwen-Image checkpoints into ready-to-run bundles, and run them."""
+    if debug:
+        os.environ["QIC_DEBUG"] = "1"
 
 
 _BUILD_OPTIONS = [
@@ -45,7 +80,7 @@ _BUILD_OPTIONS = [
                  help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's "
                       "list."),
     click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length."),
-    click.option("--text-bucket-step", help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
+    click.option("--text-bucket-step", type=int, help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
     click.option("--batch-sizes", help="Images per graph call to build graphs for, e.g. 1,2 (qic serve batches "
                                        "compatible requests in these sizes); default 1."),
     click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder."),
@@ -122,7 +157,7 @@ def cache_group():
 @click.argument("cache_dir", type=click.Path(file_okay=False))
 @_friendly
 def cache_ls(cache_dir):
-    """List the entries of a compile cache."""
+    """List everything a compile cache holds, by kind, with sizes."""
     from qic.cli.cache import run_cache_ls
     run_cache_ls(cache_dir)
 
@@ -138,12 +173,15 @@ def cache_verify(cache_dir):
 
 @cache_group.command("prune")
 @click.argument("cache_dir", type=click.Path(file_okay=False))
-@click.option("--max-size", required=True, help="Remove least recently used entries down to this size (e.g. 20G).")
+@click.option("--max-size", help="Remove least recently used entries until the cache fits this size (e.g. 20G).")
+@click.option("--older-than", help="Remove entries unused for longer than this (e.g. 7d, 12h, 30m).")
 @_friendly
-def cache_prune(cache_dir, max_size):
-    """Shrink a compile cache to a size, least recently used entries first."""
+def cache_prune(cache_dir, max_size, older_than):
+    """Remove unused entries of every kind (graphs, shards, NEFFs, memos, plans, locks, dead writers'
+    leftovers), least recently used first, never one a running build holds; give --max-size, --older-than
+    or both."""
     from qic.cli.cache import run_cache_prune
-    run_cache_prune(cache_dir, max_size)
+    run_cache_prune(cache_dir, max_size, older_than)
 
 
 @cache_group.command("push")

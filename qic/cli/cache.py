@@ -8,21 +8,27 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from qic.cache import store
+from qic.cache import layout, store
 from qic.cache.hub import hub_repo
 from qic.cli.tables import size
 from qic.errors import ConfigError
 
 
 def run_cache_ls(cache_dir) -> None:
-    infos = store.entries(Path(cache_dir), hash_files=False)
+    """Every kind of thing the cache holds (graphs, shards, NEFFs, memos, plans, locks, leftovers, the embedded
+    checkpoints), least recently used first within a kind, and each kind's total."""
+    infos = sorted(store.cache_entries(Path(cache_dir)), key=lambda e: (e.kind, e.last_used, e.key))
     table = Table(title=f"compile cache {cache_dir}")
-    for col in ("key", "graph", "size", "signed"):
-        table.add_column(col)
+    for col in ("kind", "key", "detail", "size", "signed"):   # detail: graph name, component, memo's target
+        table.add_column(col, justify="right" if col == "size" else "left")
     for e in infos:
-        table.add_row(e.key, e.graph, size(e.bytes), "yes" if e.signed else "no")
+        table.add_row(e.kind, e.key, e.graph, size(e.bytes),
+                      ("yes" if e.signed else "no") if e.kind == layout.GRAPHS else "")
     out = Console(width=200)
     out.print(table)
+    for kind in sorted({e.kind for e in infos}):
+        mine = [e for e in infos if e.kind == kind]
+        out.print(f"{kind}: {len(mine)}, {size(sum(e.bytes for e in mine))}")
     out.print(f"{len(infos)} entries, {size(sum(e.bytes for e in infos))}")
 
 
@@ -39,11 +45,16 @@ def run_cache_verify(cache_dir) -> None:
         sys.exit(1)
 
 
-def run_cache_prune(cache_dir, max_size) -> None:
-    removed = store.prune(Path(cache_dir), store.parse_size(max_size))
+def run_cache_prune(cache_dir, max_size, older_than) -> None:
+    if max_size is None and older_than is None:
+        raise ConfigError("qic cache prune needs --max-size or --older-than (or both)",
+                          "e.g. `qic cache prune DIR --older-than 7d` or `qic cache prune DIR --max-size 50G`")
+    max_bytes = store.parse_size(max_size) if max_size is not None else None
+    seconds = store.parse_duration(older_than) if older_than is not None else None
+    removed = store.prune(Path(cache_dir), max_bytes, seconds)
     for e in removed:
-        print(f"removed {e.key} {e.graph} ({size(e.bytes)})")
-    left = store.entries(Path(cache_dir), hash_files=False)
+        print(f"removed {e.key} {e.kind}{' ' + e.graph if e.graph else ''} ({size(e.bytes)})")
+    left = [e for e in store.cache_entries(Path(cache_dir)) if e.kind != layout.EMBEDDED]
     print(f"{len(removed)} entries removed; {len(left)} left, {size(sum(e.bytes for e in left))}")
 
 

@@ -27,6 +27,10 @@ def run_cli(bundle_path: str, options: dict) -> None:
     built_tp = bundle_tp(bundle_path, options.get("tp"), "run")
     world = torchrun_world()
     if world is not None:  # launched by torchrun: this process is one rank
+        if options.get("interactive"):
+            # Each rank would read its own terminal line: ranks would run different prompts and hang.
+            raise ConfigError("--interactive runs one process; torchrun started ranks",
+                              "use --prompts-file under torchrun, or run `qic run --interactive` without it")
         if world != built_tp:
             raise ConfigError(f"torchrun started {world} rank(s); the bundle was built for tp={built_tp}",
                               f"use torchrun --nproc-per-node {built_tp}")
@@ -110,9 +114,13 @@ def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, res
 def _read_prompts(path: Path) -> list[dict]:
     """Plain lines are prompts; lines starting with '{' are JSON objects with per-line options."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode("utf-8").splitlines()
     except FileNotFoundError:
         raise ConfigError(f"{path}: prompts file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})", "save the prompts file as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the prompts file ({e.strerror or e})") from None
     out = []
     for n, line in enumerate(lines, 1):
         line = line.strip()
@@ -123,13 +131,37 @@ def _read_prompts(path: Path) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ConfigError(f"{path}:{n}: invalid JSON (nested too deeply)") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{path}:{n}: a line starting with '{{' must be a JSON object")
             unknown = sorted(set(obj) - set(_OPTION_KEYS))
             if unknown or "prompt" not in obj:
                 raise ConfigError(f"{path}:{n}: " + (f"unknown key {unknown[0]!r}" if unknown else "no 'prompt'")
                                   + f"; allowed keys: {', '.join(_OPTION_KEYS)}")
-            out.append(obj)
+            out.append(_typed(obj, f"{path}:{n}"))
         else:
             out.append({"prompt": line})
     if not out:
         raise ConfigError(f"{path}: no prompts in the file")
     return out
+
+
+# A JSONL line's option types: what the matching flag's type is (click checks the flags' own).
+_TYPES = {"prompt": str, "negative_prompt": (str, type(None)), "steps": int, "guidance": (int, float), "seed": int,
+          "height": int, "width": int, "aspect": str, "output": str}
+
+
+def _typed(obj: dict, where: str) -> dict:
+    """The line's options, each of its flag's type ("3" is not a seed, 3.5 not a step count, true not 1)."""
+    for key, value in obj.items():
+        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and key != "prompt"):
+            raise ConfigError(f"{where}: {key} {value!r} must be {_KIND[key]}")
+    if not obj["prompt"]:
+        raise ConfigError(f"{where}: prompt must be a non-empty string")
+    return obj
+
+
+_KIND = {"prompt": "a string", "negative_prompt": "a string or null", "steps": "an integer",
+         "guidance": "a number", "seed": "an integer", "height": "an integer", "width": "an integer",
+         "aspect": "a string such as 16:9", "output": "a file path (a string)"}

@@ -2,7 +2,9 @@
 
 At tp=N, N ranks are spawned on loopback as `qic run --tp N` does; rank 0 serves HTTP and the others
 run what it sends them. The parent forwards SIGTERM to the ranks: rank 0 drains, then releases the
-others, and every process exits 0.
+others, and every process exits 0. If a rank dies, the parent signals the rest (PEER_DIED): rank 0
+answers 503 to /health and to every waiting request, stops, and the server exits 2 for its supervisor
+to restart; the other ranks die of the signal.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ import signal
 import socket
 import sys
 
-from qic.errors import ConfigError
+from qic.errors import ConfigError, QicError
 from qic.runtime.launch import bundle_tp, spawn_ranks, torchrun_world
+
+# Sent by the parent to the ranks still running when one fails; its default action ends the followers,
+# rank 0 handles it (see serve_rank).
+PEER_DIED = signal.SIGUSR1
 
 
 def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) -> None:
@@ -31,7 +37,7 @@ def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) 
         serve_rank(0, 1, bundle_path, host, port, settings)
         return
     signal.signal(signal.SIGTERM, _forward_to_ranks)
-    spawn_ranks(serve_rank, built_tp, bundle_path, host, port, settings, timeout=365 * 24 * 3600.0)
+    spawn_ranks(serve_rank, built_tp, bundle_path, host, port, settings, timeout=None, notify=PEER_DIED)
 
 
 def _forward_to_ranks(sig, frame) -> None:
@@ -72,19 +78,32 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
     log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s, "
              f"warmed every graph in {warmed:.2f} s; batch sizes {list(runner.batch_sizes)} "
              f"(up to --max-batch {settings.max_batch})")
+
+    def stop(error):   # the runner can make no more images: stop serving; the exit status says so
+        log.error(f"unavailable: {error}; stopping")
+        server.should_exit = True
+
+    app = create_app(runner, settings, on_fail=stop)
     # In-flight and queued requests get the request timeout to finish after SIGTERM, then are cut.
-    config = uvicorn.Config(create_app(runner, settings), access_log=False, log_config=None, lifespan="on",
+    config = uvicorn.Config(app, access_log=False, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(settings.timeout) + 5)
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has drained; with Python's default handler
     # SIGTERM would then kill the process (status 143). This handler makes a drained stop exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # The graphs all-reduce with every rank: without one, no image can be made. Say so at once to /health
+    # and the waiting requests, stop, and exit non-zero (the parent names the rank).
+    signal.signal(PEER_DIED, lambda *_: app.state.fail("a tensor-parallel rank has exited"))
     h, p = sock.getsockname()[:2]
     print(f"qic serve: listening on http://{h}:{p}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
-        runner.close()
+        failed = app.state.scheduler.failed
+        if failed is None:   # release the other ranks; out of step, they would never take the message
+            runner.close()
+    if failed is not None:
+        raise QicError(f"stopped: {failed}")
     log.info("stopped")
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -13,7 +11,7 @@ from qic.cli.tables import size
 
 
 def run_warm(matrix, overrides, shard, jobs, dry_run, sign_key, report) -> None:
-    from qic.builder.warm import report_json, summary, warm
+    from qic.builder.warm import summary, warm, write_report
     total, rows = warm(matrix, overrides, shard, jobs, dry_run, sign_key)
     table = Table(title=f"qic warm {matrix} (shard {shard or '1/1'}: {len(rows)} of {total} jobs)")
     for col in ("graph", "model", "result", "size", "time"):
@@ -27,6 +25,6 @@ def run_warm(matrix, overrides, shard, jobs, dry_run, sign_key, report) -> None:
     out.print(f"{s['hits']} hits, {s['misses']} misses ({s['compiled']} compiled, {s['failed']} failed), "
               f"compile {s['compile_seconds']:.1f}s, {size(s['bytes'])}")
     if report:
-        Path(report).write_text(json.dumps(report_json(total, rows, shard), indent=2) + "\n")
+        write_report(report, total, rows, shard)
     if s["failed"]:
         sys.exit(1)

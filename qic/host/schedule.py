@@ -44,6 +44,8 @@ def check_overrides(overrides: Mapping, source: str = "config") -> None:
         kind = OVERRIDABLE[key]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise ConfigError(f"{source}: scheduler.{key} = {value!r} has the wrong type")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{source}: scheduler.{key} must be finite, got {value!r}")
     terminal = overrides.get("shift_terminal")
     if terminal is not None and not 0 <= terminal < 1:
         raise ConfigError(f"{source}: scheduler.shift_terminal must be in [0, 1) or null, got {terminal!r}")

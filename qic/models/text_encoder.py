@@ -248,13 +248,15 @@ class _LanguageModel(nn.Module):
 
     def __init__(self, cfg: TextEncoderConfig, tp_size: int):
         super().__init__()
-        # Vocab-parallel under TP (each rank holds vocab_size / tp rows; the real 152064 divides by 2, 4 and 8,
-        # and TP cannot exceed the 4 key/value heads anyway, so no padding). Built uninitialised: weights are
-        # always loaded, and the default normal_ init costs a 1 s import of torch._dynamo.
+        # Vocab-parallel under TP: each rank holds ceil(vocab_size / tp) rows (the real 152064 divides by 2, 4
+        # and 8; a fine-tune's added tokens may not). The table is padded to tp times that with zero rows at
+        # the end, which no token id reaches: the plan's PADDED slicing (qic.parallel.plans) writes them.
+        # Built uninitialised: weights are always loaded, and the default normal_ init costs a 1 s import of
+        # torch._dynamo.
         _tp_local(cfg.num_heads, tp_size, "num_attention_heads")  # the usual limit on TP is named first
         _tp_local(cfg.num_kv_heads, tp_size, "num_key_value_heads")
-        _tp_local(cfg.vocab_size, tp_size, "vocab_size")
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size)
+        padded_vocab = -(-cfg.vocab_size // tp_size) * tp_size
+        self.embed_tokens = VocabEmbedding(padded_vocab, cfg.hidden_size, tp_size)
         self.layers = nn.ModuleList(_DecoderLayer(cfg, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -264,8 +266,9 @@ class QwenTextEncoder(nn.Module):
     model.layers.{i}.self_attn.{q,k,v,o}_proj.*, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
     model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight (the hub's names).
 
-    With tp_size > 1 the module holds one rank's shard shapes (heads, kv heads, MLP width and vocabulary
-    rows divided by tp_size, plus the embedding's per-rank `model.embed_tokens.vocab_start`);
+    With tp_size > 1 the module holds one rank's shard shapes (heads, kv heads and MLP width divided by
+    tp_size, ceil(vocab_size / tp_size) vocabulary rows, plus the embedding's per-rank
+    `model.embed_tokens.vocab_start`);
     o_proj/down_proj are RowLinear and embed_tokens a VocabEmbedding, whose `reduce` the TP plan sets.
     """
 

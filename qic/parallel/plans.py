@@ -8,6 +8,11 @@ modulation, its output-norm and text-input projections) split by rows and are al
 vocabulary rows (VocabEmbedding: masked lookup, then an all_reduce sum). What stays whole: norms,
 row-parallel biases, and the thin img_in / proj_out (64 latent channels wide).
 
+PADDED tensors split along a dim that need not divide by TP (a vocabulary: fine-tunes add tokens, e.g.
+401 rows). As in Megatron and vLLM, every rank holds ceil(n / tp) rows and the surplus rows at the end
+(the last rank's) are zeros; no token id reaches them, since ids are < n and the embedding masks ids
+outside a rank's rows. Every other split tensor must divide (heads, MLP width: the model refuses).
+
 RANK_TENSORS are per-rank tensors no checkpoint holds, which stage 1 writes into every rank's file at
 TP > 1: a vocab-parallel embedding's first row index, so one compiled graph serves every rank.
 """
@@ -46,6 +51,11 @@ RANK_TENSORS: dict[str, dict[str, tuple[str, int]]] = {
     "denoiser": {},
     "vae_decoder": {},
 }
+PADDED: dict[str, tuple[str, ...]] = {
+    "text_encoder": ("model.embed_tokens.weight",),
+    "denoiser": (),
+    "vae_decoder": (),
+}
 PLAN_VERSION = 2
 
 
@@ -56,22 +66,41 @@ def split_dim(component: str, name: str) -> int | None:
     return None
 
 
+def rows_per_rank(n: int, tp: int) -> int:
+    """A rank's share of a split dim of size n: n / tp, rounded up for a PADDED tensor that does not divide."""
+    return -(-n // tp)
+
+
 def rank_slice(component: str, name: str, tensor: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """One rank's part of a tensor: a contiguous chunk along the plan's dim, or the whole tensor."""
+    """One rank's part of a tensor: a contiguous chunk along the plan's dim, or the whole tensor. A PADDED
+    tensor's chunks all have rows_per_rank rows, zeros past the end of the tensor."""
     dim = split_dim(component, name)
     if tp == 1 or dim is None:
         return tensor
-    return tensor.chunk(tp, dim=dim)[rank]
+    if name not in PADDED[component]:
+        return tensor.chunk(tp, dim=dim)[rank]
+    n = tensor.shape[dim]
+    rows = rows_per_rank(n, tp)
+    start = min(rank * rows, n)
+    part = tensor.narrow(dim, start, min(rows, n - start))
+    if part.shape[dim] == rows:
+        return part
+    pad = list(part.shape)
+    pad[dim] = rows - part.shape[dim]
+    return torch.cat((part, part.new_zeros(pad)), dim=dim)
 
 
 def rank_tensors(component: str, full_shapes: dict[str, tuple], rank: int, tp: int) -> dict[str, torch.Tensor]:
     """The per-rank tensors stage 1 adds to rank `rank`'s file (none at TP 1)."""
     if tp == 1:
         return {}
-    return {name: torch.tensor([rank * (full_shapes[of][dim] // tp)], dtype=torch.long)
+    return {name: torch.tensor([rank * rows_per_rank(full_shapes[of][dim], tp)], dtype=torch.long)
             for name, (of, dim) in RANK_TENSORS[component].items()}
 
 
 def plan_text(component: str) -> str:
     """The plan as text, for cache keys: an edit to a table makes new shards."""
-    return json.dumps([PLAN_VERSION, PLANS[component], RANK_TENSORS[component]])
+    # PADDED only where it has entries: the components without padding keep their shard keys (a real
+    # denoiser's shards are tens of GB to redo for nothing).
+    padded = [PADDED[component]] if PADDED.get(component) else []
+    return json.dumps([PLAN_VERSION, PLANS[component], RANK_TENSORS[component], *padded])

@@ -111,15 +111,19 @@ def _child(fn, rank: int, tp: int, port: int, threads: int, timeout_s: float, ba
                 pass
 
 
-def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float = 600.0,
-          pg_timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo") -> list:
+def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None = 600.0,
+          pg_timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo", notify: int | None = None) -> list:
     """Run fn(rank, tp, *args) in `tp` fresh processes joined in one process group on loopback.
 
     fn must be importable by name (a module-level function); its return value must pickle. Each rank
     runs with `threads` torch threads and a process group whose collectives give up after
     `pg_timeout`. Returns the ranks' return values in rank order. If any rank raises or dies (or the
-    whole run exceeds `timeout` seconds), raises RankFailure naming each failing rank's error; the
-    ranks still running are then terminated.
+    whole run exceeds `timeout` seconds; None: no limit), raises RankFailure naming each failing rank's
+    error; the ranks still running are then terminated.
+
+    notify: a signal sent to the ranks still running as soon as one fails, for ranks that would not
+    otherwise find out (a server's rank 0 waits on HTTP, not on a collective); they then get `pg_timeout`
+    to finish before they are terminated. Without it they fail through their next collective.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -129,7 +133,18 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float = 600.0
     for p in procs:
         p.start()
     outcomes: dict[int, RankOutcome] = {}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + (timeout if timeout is not None else float("inf"))
+
+    def record(r: int, outcome: RankOutcome) -> None:
+        nonlocal deadline
+        if notify is not None and not outcome.ok and all(o.ok for o in outcomes.values()):   # the first failure
+            for other, p in enumerate(procs):
+                if other != r and other not in outcomes and p.is_alive():
+                    os.kill(p.pid, notify)
+            deadline = min(deadline, time.monotonic() + pg_timeout.total_seconds())
+        outcomes[r] = outcome
+
     try:
         while len(outcomes) < tp and time.monotonic() < deadline:
             try:
@@ -141,14 +156,15 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float = 600.0
                         try:  # it may have sent just before exiting
                             kind, rank, payload, err, tb, secs = q.get(timeout=0.5)
                         except queue_mod.Empty:
-                            outcomes[r] = RankOutcome(r, False, exitcode=p.exitcode)
+                            record(r, RankOutcome(r, False, exitcode=p.exitcode))
                             continue
-                        outcomes[rank] = _outcome(kind, rank, payload, err, tb, secs)
+                        record(rank, _outcome(kind, rank, payload, err, tb, secs))
                 continue
-            outcomes[rank] = _outcome(kind, rank, payload, err, tb, secs)
+            record(rank, _outcome(kind, rank, payload, err, tb, secs))
+        waited = time.monotonic() - start
         for r in range(tp):
             if r not in outcomes:
-                outcomes[r] = RankOutcome(r, False, error=f"TimeoutError: no result within {timeout:.0f} s")
+                outcomes[r] = RankOutcome(r, False, error=f"TimeoutError: no result within {waited:.0f} s")
     finally:
         for p in procs:
             p.join(timeout=10)

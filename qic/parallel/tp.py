@@ -4,7 +4,8 @@ Plans (the tables live in `qic.parallel.plans`, not here):
 - text encoder: q/k/v column-parallel by heads (GQA: query and key/value heads both divide by TP, so
   TP may not exceed the key/value heads; the module refuses larger TP with a ConfigError naming the
   counts), o_proj row-parallel + all_reduce; gate/up column-parallel, down_proj row-parallel + all_reduce;
-  the token embedding vocab-parallel (masked lookup of the rank's rows + all_reduce).
+  the token embedding vocab-parallel (masked lookup of the rank's rows + all_reduce; a vocabulary that
+  does not divide by TP is zero-padded to ceil(V / TP) rows a rank, rows no token id reaches).
 - denoiser: both streams' Q/K/V column-parallel by heads (joint attention runs per head, so each rank
   attends over the full [text | image] sequence with its own heads), both output projections
   row-parallel + all_reduce, both MLPs column then row-parallel with the all_reduce before the gated
@@ -143,7 +144,8 @@ def shard_state_dict(component: str, full_state_dict: Mapping[str, torch.Tensor]
 
     The same slicing stage 1 writes to disk (`plans.rank_slice`): column-parallel tensors are a
     contiguous chunk of rows, row-parallel ones a chunk of columns, everything else whole; plus the
-    plan's per-rank tensors (`plans.rank_tensors`).
+    plan's per-rank tensors (`plans.rank_tensors`). A split that does not divide by tp is refused, except
+    for the plan's PADDED tensors (the vocabulary), whose ranks get ceil(n / tp) rows, zero-padded.
     """
     if component not in plans.PLANS:
         raise ConfigError(f"no TP plan for component {component!r}; known: {', '.join(sorted(plans.PLANS))}")
@@ -152,7 +154,7 @@ def shard_state_dict(component: str, full_state_dict: Mapping[str, torch.Tensor]
     out = {}
     for name, t in full_state_dict.items():
         dim = plans.split_dim(component, name)
-        if dim is not None and t.shape[dim] % tp:
+        if dim is not None and t.shape[dim] % tp and name not in plans.PADDED[component]:
             raise ConfigError(f"{component}: tensor {name} has {t.shape[dim]} along dim {dim}, "
                               f"not divisible by tp {tp}")
         out[name] = plans.rank_slice(component, name, t, rank, tp).contiguous()

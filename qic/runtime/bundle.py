@@ -57,7 +57,7 @@ class Bundle:
             raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}, but {world} rank(s) run it",
                               f"run it with --tp {m['tp']}")
         self.rank, self.world = rank, world
-        other = _weights_bundle(weights_from, m) if weights_from is not None else None
+        other = _weights_bundle(weights_from, m, verify_all) if weights_from is not None else None
         self.weights_id = other[1]["id"] if other else None    # the bundle whose weights run, if not this one
         self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
         self.resolutions = [tuple(r) for r in m["resolutions"]]
@@ -110,12 +110,13 @@ class Bundle:
                               "pick one of those, or rebuild with --resolution")
 
 
-def _weights_bundle(path, manifest: dict) -> tuple[Path, dict]:
-    """The other bundle, verified like this one, with the same TP degree."""
+def _weights_bundle(path, manifest: dict, verify_all: bool) -> tuple[Path, dict]:
+    """The other bundle, verified like this one (its weights by remembered hashes too: 58 GB each start
+    otherwise), with the same TP degree."""
     path = Path(path)
     other = read_manifest(path)
     check_compatible(other, __version__, torch.__version__)
-    verify_files(path, other)
+    verify_files(path, other, cache=VerificationCache(), full=verify_all)
     if other["tp"] != manifest["tp"]:
         raise BundleError(f"--weights {path}: built for tp={other['tp']}, this bundle for tp={manifest['tp']}")
     return path, other

@@ -53,8 +53,20 @@ def validate(req: Request, bundle: Bundle) -> Request:
         req.guidance = defaults.get("guidance", DEFAULT_GUIDANCE)
     if not isinstance(req.steps, int) or isinstance(req.steps, bool) or req.steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {req.steps!r}")
-    if not isinstance(req.guidance, (int, float)) or not np.isfinite(req.guidance) or req.guidance < 0:
+    if (not isinstance(req.guidance, (int, float)) or isinstance(req.guidance, bool) or not np.isfinite(req.guidance)
+            or req.guidance < 0):
         raise ConfigError(f"guidance must be a finite number >= 0, got {req.guidance!r}")
+    req.guidance = float(req.guidance)   # 4 and 4.0 are one setting (and write one PNG)
+    # torch's generator takes 64 bits; the HTTP API's bound (< 2**63) is kept here too, so that the same seed
+    # is accepted, or refused, by `qic run` and `qic serve` alike.
+    if not isinstance(req.seed, int) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**63:
+        raise ConfigError(f"seed must be an integer in [0, 2**63), got {req.seed!r}")
+    if req.negative_prompt is not None and not isinstance(req.negative_prompt, str):
+        raise ConfigError(f"negative_prompt must be a string or none, got {req.negative_prompt!r}")
+    for name in ("height", "width"):
+        value = getattr(req, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
     if req.aspect is not None:
         if req.height is not None or req.width is not None:
             raise ConfigError("give --aspect or --height/--width, not both")
@@ -93,9 +105,7 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     # combination exactly the cond prediction at twice the cost.
     batched = cfg or not bundle.has_graph("denoiser", res, bucket, cfg=False, batch=n)
     if cfg and not bundle.has_graph("denoiser", res, bucket, cfg=True, batch=n):
-        raise ConfigError(f"guidance {first.guidance} asks for true CFG, but this bundle has only the no-CFG "
-                          "step graph",
-                          "run with --guidance 1, or rebuild with `cfg: [true, false]` in the config")
+        raise _no_cfg_graph(first.guidance)
     times["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -160,7 +170,17 @@ def text_plan(bundle: Bundle, req: Request) -> TextPlan:
     longest = max(len(ids_pos), len(ids_neg))
     if longest > limit:
         raise ConfigError(f"prompt is {longest} tokens with the template; the model takes at most {limit}")
-    return TextPlan(cfg, ids_pos, ids_neg, pick_bucket(longest, bundle.buckets))
+    bucket = pick_bucket(longest, bundle.buckets)
+    # Checked here, where `qic serve` plans a request, so that a bundle without the CFG graph refuses it (400)
+    # rather than failing it when its batch runs (500, and at tp>1 a rank out of step).
+    if cfg and not bundle.has_graph("denoiser", (req.height, req.width), bucket, cfg=True, batch=1):
+        raise _no_cfg_graph(req.guidance)
+    return TextPlan(cfg, ids_pos, ids_neg, bucket)
+
+
+def _no_cfg_graph(guidance) -> ConfigError:
+    return ConfigError(f"guidance {guidance} asks for true CFG, but this bundle has only the no-CFG step graph",
+                       "run with --guidance 1, or rebuild with `cfg: [true, false]` in the config")
 
 
 def _ids(bundle: Bundle, prompt: str) -> list[int]:

@@ -25,8 +25,9 @@ def torchrun_world() -> int | None:
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
 
 
-def spawn_ranks(fn, tp: int, *args, timeout: float) -> list:
-    """fn(rank, tp, *args) in tp fresh processes on loopback, the machine's cores split between them."""
+def spawn_ranks(fn, tp: int, *args, timeout: float | None, notify: int | None = None) -> list:
+    """fn(rank, tp, *args) in tp fresh processes on loopback, the machine's cores split between them
+    (timeout and notify: qic.parallel.ranks.spawn's)."""
     from qic.parallel.ranks import spawn
     threads = max(1, (os.cpu_count() or 1) // tp)
-    return spawn(fn, tp, *args, threads=threads, timeout=timeout)
+    return spawn(fn, tp, *args, threads=threads, timeout=timeout, notify=notify)

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from qic.errors import QicError
 from qic.runtime.generate import Request as GenRequest
-from qic.serve.queue import QueueFull, Scheduler
+from qic.serve.queue import QueueFull, Scheduler, Unavailable
 from qic.serve.settings import Settings
 
 access_log = logging.getLogger("qic.serve.access")
@@ -33,10 +33,12 @@ class ImageRequest(BaseModel):
     response_format: Literal["b64_json"] = "b64_json"
     model: str | None = None
     user: str | None = None
-    # qic's extensions; defaults are `qic run`'s so the same settings give the same image.
+    # qic's extensions; defaults are `qic run`'s so the same settings give the same image. Steps and
+    # guidance left out stay None: the runtime's `validate` fills in the bundle's run defaults (else 20 / 4),
+    # as it does for `qic run` without flags.
     seed: int = Field(0, ge=0, lt=2**63)
-    steps: int = Field(20, ge=1, le=1000)
-    guidance: float = Field(4.0, ge=0, allow_inf_nan=False)
+    steps: int | None = Field(None, ge=1, le=1000)
+    guidance: float | None = Field(None, ge=0, allow_inf_nan=False)
     negative_prompt: str | None = " "
 
 
@@ -53,20 +55,35 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
-def create_app(runner, settings: Settings = Settings()) -> FastAPI:
+def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI:
     """runner: .plan(GenRequest) -> batch key (raises QicError), .run(list) -> list of PNG bytes,
-    .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes; optionally .executor, the thread to run on."""
+    .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes; optionally .executor, the thread to run on.
+
+    The runner is gone for good when its run raises queue.Unavailable or app.state.fail(reason) is called
+    (from any thread or a signal handler): /health answers 503 and every queued, running and later image
+    request 503 with the reason; then on_fail(error) is called on the event loop (the server stops)."""
     scheduler = Scheduler(runner.run, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch],
-                          getattr(runner, "executor", None))
+                          getattr(runner, "executor", None), on_fail)
+    loop: asyncio.AbstractEventLoop | None = None
 
     @asynccontextmanager
     async def lifespan(app):
+        nonlocal loop
+        loop = asyncio.get_running_loop()
         scheduler.start()
         yield
         await scheduler.stop()
 
+    def fail(reason: str) -> None:
+        # The scheduler and the request futures belong to the event loop: hand the failure to it.
+        if loop is None:
+            scheduler.fail(Unavailable(reason))   # not serving yet: no loop, nothing to race with
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(scheduler.fail, Unavailable(reason))
+
     app = FastAPI(title="qic serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
+    app.state.fail = fail
     app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
@@ -88,8 +105,11 @@ def create_app(runner, settings: Settings = Settings()) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": runner.model_id, "queued": len(scheduler.pending),
+        body = {"status": "ok", "model": runner.model_id, "queued": len(scheduler.pending),
                 "running": scheduler.running}
+        if scheduler.failed is not None:   # a supervisor's probe: take this instance out and restart it
+            return JSONResponse({**body, "status": "unavailable", "reason": str(scheduler.failed)}, status_code=503)
+        return body
 
     @app.get("/v1/models")
     async def models():
@@ -100,9 +120,11 @@ def create_app(runner, settings: Settings = Settings()) -> FastAPI:
     async def generations(body: ImageRequest, request: Request):
         items = _plan(runner, settings, body)
         log = request.state.log
-        log.update(n=body.n, size=body.size, steps=body.steps, seed=body.seed)
+        log.update(n=body.n, size=body.size, steps=items[0][0].steps, seed=body.seed)   # steps: as resolved
         try:
             jobs = scheduler.submit(items)
+        except Unavailable as e:
+            raise _unavailable(e) from None
         except QueueFull as e:
             log["rejected"] = "queue full"
             raise ApiError(429, f"the queue is full ({settings.queue} images waiting); retry after {e.retry_after} s",
@@ -123,6 +145,9 @@ def create_app(runner, settings: Settings = Settings()) -> FastAPI:
                            type_="timeout_error", code="timeout")
         try:
             pngs = [f.result() for f in (j.future for j in jobs)]
+        except Unavailable as e:
+            log["error"] = str(e)
+            raise _unavailable(e) from None
         except Exception as e:
             log["error"] = f"{type(e).__name__}: {e}"
             raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type_="server_error") from None
@@ -131,6 +156,10 @@ def create_app(runner, settings: Settings = Settings()) -> FastAPI:
                 "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]}
 
     return app
+
+
+def _unavailable(e: Unavailable) -> ApiError:
+    return ApiError(503, f"the server can make no more images: {e}", type_="server_error", code="unavailable")
 
 
 class AccessLog:
@@ -168,6 +197,10 @@ def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
     """One generation request per image (seeds seed, seed+1, ...), each checked against the bundle."""
     if body.n > settings.max_n:
         raise ApiError(400, f"n is {body.n}; this server makes at most {settings.max_n} images a request", "n")
+    # A request's images are admitted together, so more than the whole queue would get 429 forever.
+    if body.n > settings.queue:
+        raise ApiError(400, f"n is {body.n}, but this server's queue holds at most {settings.queue} images "
+                            f"(--queue {settings.queue}); ask for fewer or start it with a larger --queue", "n")
     if body.model is not None and body.model != runner.model_id:
         raise ApiError(400, f"model {body.model!r} is not served here; it serves {runner.model_id!r}", "model")
     if body.size == "auto":
@@ -179,8 +212,7 @@ def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
                             "(WIDTHxHEIGHT) or auto", "size")
     items = []
     for i in range(body.n):
-        req = GenRequest(body.prompt, body.negative_prompt, body.steps, float(body.guidance), body.seed + i,
-                         height, width)
+        req = GenRequest(body.prompt, body.negative_prompt, body.steps, body.guidance, body.seed + i, height, width)
         try:
             key = runner.plan(req)
         except QicError as e:

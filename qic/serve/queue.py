@@ -30,6 +30,11 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class Unavailable(Exception):
+    """The runner can make no more images (a tensor-parallel rank has died); the message says why.
+    Raised by run_batch, or passed to Scheduler.fail, it fails every job for good."""
+
+
 def take_group(pending: list[Job], batch_sizes: Sequence[int]) -> list[Job]:
     """Remove and return the next batch: the oldest job plus the oldest jobs compatible with it.
 
@@ -63,18 +68,21 @@ def compute_thread() -> ThreadPoolExecutor:
 class Scheduler:
     """Admits up to `capacity` waiting jobs and feeds them, grouped, to `run_batch` on one thread.
 
-    run_batch(items) -> list of outputs, one per item, in order. An exception fails the whole group.
+    run_batch(items) -> list of outputs, one per item, in order. An exception fails the whole group;
+    Unavailable fails every job, queued and later ones too.
     """
 
     def __init__(self, run_batch: Callable[[list], list], capacity: int, batch_sizes: Sequence[int] = (1,),
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None, on_fail: Callable[[Exception], None] | None = None):
         """executor: the compute_thread run_batch runs on (the server passes the one it loaded and warmed
-        the bundle on; default: a new one)."""
+        the bundle on; default: a new one). on_fail: called once fail() has failed the jobs (the server stops)."""
+        self.on_fail = on_fail
         self.run_batch = run_batch
         self.capacity = capacity
         self.batch_sizes = tuple(sorted({1, *batch_sizes}))
         self.pending: list[Job] = []
-        self.running = 0                  # jobs in the batch now executing
+        self.current: list[Job] = []      # the batch now executing
+        self.failed: Exception | None = None   # set by fail(): no job will run again
         self.job_seconds = 1.0            # running mean of run time per job, for Retry-After
         self._wake = asyncio.Event()
         self._executor = executor or compute_thread()
@@ -82,6 +90,8 @@ class Scheduler:
 
     def submit(self, items: list[tuple[object, Hashable]]) -> list[Job]:
         """Queue all items or none (a request's n images are admitted together)."""
+        if self.failed is not None:
+            raise self.failed
         if len(self.pending) + len(items) > self.capacity:
             waiting = len(self.pending) + self.running
             raise QueueFull(max(1, math.ceil(self.job_seconds * waiting)))
@@ -99,6 +109,26 @@ class Scheduler:
                 job.future.cancel()
             return True
         return False
+
+    @property
+    def running(self) -> int:
+        return len(self.current)
+
+    def fail(self, error: Exception) -> None:
+        """The runner can make no more images (a tensor-parallel rank died): every queued and running job
+        fails with `error` now, rather than when the stuck batch gives up, and so does every later submit.
+        The first failure is the one reported (a signal may follow the broken batch that showed it)."""
+        if self.failed is not None:
+            return
+        self.failed = error
+        for job in [*self.pending, *self.current]:
+            if not job.future.done():
+                job.future.set_exception(error)
+        self.pending.clear()
+        if self._task:
+            self._task.cancel()   # no next batch; the one running, if any, is left to the executor
+        if self.on_fail:
+            self.on_fail(error)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._work())
@@ -126,11 +156,14 @@ class Scheduler:
             t = time.perf_counter()
             for job in group:
                 job.started, job.batch = t, len(group)
-            self.running = len(group)
+            self.current = group
             try:
                 outputs = await loop.run_in_executor(self._executor, self.run_batch, [j.item for j in group])
                 if len(outputs) != len(group):
                     raise RuntimeError(f"runner returned {len(outputs)} outputs for {len(group)} jobs")
+            except Unavailable as e:
+                self.fail(e)
+                return
             except Exception as e:  # the group fails; the server and the queue go on
                 for job in group:
                     if not job.future.done():
@@ -141,4 +174,4 @@ class Scheduler:
                         job.future.set_result(out)
                 self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - t) / len(group)
             finally:
-                self.running = 0
+                self.current = []

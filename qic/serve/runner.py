@@ -18,6 +18,7 @@ import torch
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, batch_key, generate_batch, text_plan, validate
 from qic.runtime.png import png_bytes
+from qic.serve.queue import Unavailable
 
 
 def manifest_batch_sizes(manifest: dict) -> tuple[int, ...]:
@@ -94,9 +95,18 @@ class BundleRunner:
     def run(self, reqs: list[Request]) -> list[bytes]:
         if len(reqs) not in self.batch_sizes:
             raise RuntimeError(f"batch of {len(reqs)}: this runner runs {self.batch_sizes}")
-        if self.group is not None:
-            import torch.distributed as dist
+        if self.group is None:
+            return self._run(reqs)
+        import torch.distributed as dist
+        try:
             dist.broadcast_object_list([reqs], src=0, group=self.group)
+            return self._run(reqs)
+        except Exception as e:
+            # Every rank ran this batch: whatever failed here failed on the others too, or a collective
+            # broke (a rank died). Either way the ranks are out of step for good.
+            raise Unavailable(f"a tensor-parallel batch failed ({type(e).__name__}: {e})") from e
+
+    def _run(self, reqs: list[Request]) -> list[bytes]:
         return [png_bytes(r, self.bundle.id, self.bundle.weights_id) for r in generate_batch(self.bundle, reqs)]
 
     def close(self) -> None:
