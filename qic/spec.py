@@ -25,7 +25,7 @@ DTYPES = tuple(TORCH_DTYPES)
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
-        "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes")
+        "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target")
 DEFAULT_KEYS = ("steps", "guidance")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 
@@ -68,6 +68,11 @@ class BuildSpec:
     cache_from: str | None = None
     cache_public_keys: tuple[str, ...] = ()
     cache_trusted: bool = False
+    # inductor back end: what CPU code is compiled for (qic/backends/inductor/target.py): portable (the lowest
+    # x86-64 level this host runs: x86-64-v3, AVX2 kernels), auto (the highest), a level, or native
+    # (-march=native and the build host's every flag). None: portable, which cost nothing measurable against
+    # native at real width (docs/benchmarks.md, "CPU targets") and serves every machine of its level.
+    cpu_target: str | None = None
 
     def dtype_of(self, component: str) -> str:
         return dict(self.dtype)[component]
@@ -187,7 +192,19 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
                                           at("cache_public_keys"))),
         cache_trusted=_bool(raw.get("cache_trusted", d.cache_trusted), "cache_trusted", at("cache_trusted")),
         batch_sizes=_batch_sizes(raw.get("batch_sizes", [1]), buckets, at("batch_sizes")),
+        cpu_target=_cpu_target(raw.get("cpu_target"), backend, at("cpu_target")),
     )
+
+
+def _cpu_target(value, backend: str, source: str) -> str | None:
+    if value is None:
+        return None
+    allowed = backends.info(backend).OPTIONS.get("cpu_target")
+    if allowed is None:
+        takers = [n for n in BACKENDS if "cpu_target" in backends.info(n).OPTIONS]
+        raise ConfigError(f"{source}: cpu_target is an option of the {', '.join(takers)} back end, not of {backend}",
+                          "remove cpu_target, or build with that back end")
+    return _choice(value, allowed, "cpu_target", source)
 
 
 def _bool(value, key: str, source: str) -> bool:

@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import ROOT
 
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
-BUILDS = ("run", "serve", "nocfg", "realwidth")   # take --dir and --cache-dir
+BUILDS = ("run", "serve", "nocfg", "realwidth", "soak")   # take --dir and --cache-dir
 PARALLEL = 2
 
 # name -> (seconds allowed, lines it must print: regular expressions, each matching a whole line of its own).
@@ -46,6 +46,7 @@ SMOKES = {
     "tp": (300, [r"\| (tp1|tp1-half-threads|tp2|tp2-noreduce) \| [12] x [12] \| [\d.]+ \| .*"] * 4),
     "xla_lowering": (300, [r"\{.*\}"]),
     "shard": (300, [r"\| qic stage 1, TP=2, bf16 \| [\d.]+ \| .*", r".*check: rank 1: 3 tensors equal"]),
+    "cpu_target": (300, [r"\| x86-64-v3 \| [\d.]+ \| [\d.]+ \| - \| (0|-) \| [\d.e+-]+ \| \d+ \|"]),
     "peak": (180, [r"\| tiny \| (text_encoder@L72|denoiser@48x80@L72|vae_decoder@48x80) \| [\d.]+ \| .*"] * 3),
 }
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from qic.manifest import read_manifest, verify_files
 from qic.models.looped import unstack_block_weights
-from tests.conftest import BUCKETS, QIC, ROOT, SECOND_RES, TINY_RES, qic
+from tests.conftest import BUCKETS, FAULTY_QIC, QIC, ROOT, SECOND_RES, TINY_RES, qic
 
 
 def _rows(stdout: str) -> dict[str, str]:
@@ -117,8 +117,8 @@ def _kill_when(proc: subprocess.Popen, condition, timeout=120):
 def test_sigkill_while_sharding_then_rerun(tmp_path, tiny_ckpt):
     cache, out = tmp_path / "cache", tmp_path / "bundle"
     args = ("--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,")
-    env = {**os.environ, "QIC_TEST_SHARD_DELAY": "0.05"}
-    proc = subprocess.Popen(_build_cmd(tiny_ckpt, cache, out, *args), cwd=ROOT, env=env,
+    env = {**os.environ, "FAULTY_SHARD_DELAY": "0.05"}
+    proc = subprocess.Popen([*FAULTY_QIC, *_build_cmd(tiny_ckpt, cache, out, *args)[len(QIC):]], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(proc, lambda: any((cache / "shards").glob(".tmp-*/rank0.safetensors")))
     assert not out.exists()
@@ -203,8 +203,15 @@ def test_two_concurrent_builds_share_a_cache(tmp_path, tiny_ckpt):
         assert p.returncode == 0, err
         assert "Warning" not in err, err   # no library noise in the build log (torch's LeafSpec notice)
         outs.append(out)
-    m0, m1 = read_manifest(tmp_path / "b0"), read_manifest(tmp_path / "b1")
-    assert m0["files"] == m1["files"] and m0["build_key"] == m1["build_key"]
+    # Identical bundles: the same file tree, byte for byte, manifest.json included. Nothing in a bundle
+    # may legitimately differ between the two: the manifest records no output path, time or host, and
+    # its id is its own content hash.
+    trees = [{p.relative_to(b).as_posix(): p.read_bytes() for p in sorted(b.rglob("*")) if p.is_file()}
+             for b in (tmp_path / "b0", tmp_path / "b1")]
+    assert trees[0].keys() == trees[1].keys() and "manifest.json" in trees[0]
+    assert [f for f in trees[0] if trees[0][f] != trees[1][f]] == []
+    for b in ("b0", "b1"):
+        verify_files(tmp_path / b, read_manifest(tmp_path / b))
     assert len(list((cache / "graphs").iterdir())) == 1
     # Both start together and a compile takes far longer than a process start, so both reach the graph
     # at once: the lock makes one compile and the other wait and take the cached result. Without the

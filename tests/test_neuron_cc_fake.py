@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,44 @@ def test_failed_compile_reported_after_the_others_finish(fake_cc, tmp_path):
     compile_many(jobs, max_workers=2)
     assert len([c for c in fake_cc() if c["argv"][0] == "compile"]) == 3
     assert (bad / "model.neff").is_file() and not (bad / "compile-failed.log").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # killed but not yet reaped by whoever adopted it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_compile_past_its_timeout_is_killed_with_its_workers(fake_cc, tmp_path, monkeypatch):
+    """A hung compiler (the fake sleeping 120 s, with a worker process of its own) under a 1 s timeout: one
+    CompileError line naming the graph and the timeout, the compiler's whole process group gone, no NEFF."""
+    d = graph(tmp_path, "denoiser", b"hangs")
+    pidfile = tmp_path / "worker.pid"
+    monkeypatch.setenv("QIC_FAKE_NEURONXCC_SLEEP", f"120:{pidfile}")
+    monkeypatch.setenv(neuron_cc.TIMEOUT_ENV, "1")
+    t = time.monotonic()
+    with pytest.raises(CompileError) as e:
+        compile_many([CompileJob(d / "model.hlo_module.pb", d, tuple(component_flags("denoiser")))])
+    assert time.monotonic() - t < 30   # the 1 s timeout, not the 120 s sleep
+    header, *rest = e.value.message.splitlines()   # compile_many's header, then one line per failed job
+    assert header.startswith("1 of 1 NEFF compiles failed") and len(rest) == 1, e.value.message
+    assert str(d / "model.hlo_module.pb") in rest[0] and "ran past its 1 s timeout and was killed" in rest[0]
+    worker = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the compiler's worker process outlived the timeout"
+    assert not (d / "model.neff").exists() and not [p for p in d.iterdir() if p.name.startswith(".tmp-")]
+    assert "worker" in (d / "compile-failed.log").read_text()   # what it printed before the kill is kept
+    # The default is generous, and a bad value is refused naming the variable.
+    monkeypatch.delenv(neuron_cc.TIMEOUT_ENV)
+    assert neuron_cc.compile_timeout() == neuron_cc.DEFAULT_TIMEOUT >= 3600
+    for bad in ("soon", "0", "-5", "inf"):
+        monkeypatch.setenv(neuron_cc.TIMEOUT_ENV, bad)
+        with pytest.raises(ConfigError, match=neuron_cc.TIMEOUT_ENV):
+            neuron_cc.compile_timeout()

@@ -135,6 +135,21 @@ def test_resident_prompts_file_pays_the_load_once(bundle, tmp_path):
         assert key in timings[0]
 
 
+def test_aspect_picks_the_bundle_resolution_of_that_ratio(bundle_two_res, tmp_path):
+    """A bundle of two aspect ratios (48x80 is W:H 5:3, 32x48 is 3:2; HxW): --aspect on the command line
+    and "aspect" on a prompts-file line each choose the image size. The flag asks for the bundle's second
+    resolution, so a dropped flag (the first, the default) fails; the line asks for the other one than the
+    flag, so a dropped line option (the flag's) fails."""
+    out, _ = bundle_two_res
+    assert Bundle(out).resolutions[0] == TINY_RES != SECOND_RES
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{SHORT}\n" + json.dumps({"prompt": SHORT, "aspect": "5:3"}) + "\n")
+    qic("run", out, "--prompts-file", prompts, "--aspect", "3:2", "--steps", "2", "--output", tmp_path / "a.png")
+    for png, (h, w) in ((tmp_path / "a-000.png", SECOND_RES), (tmp_path / "a-001.png", TINY_RES)):
+        image = Image.open(png)
+        assert image.size == (w, h) and image.text["resolution"] == f"{h}x{w}", png
+
+
 def test_interactive_mode(bundle, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "qic.cli", "run", str(bundle), "--interactive", "--steps", "2",
                            "--output", str(tmp_path / "i.png")], input="a cat\na dog\n\n", capture_output=True,

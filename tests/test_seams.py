@@ -31,7 +31,7 @@ _WRONG = {"bool": ['"false"', '"true"', "1", "0", "null", "[true]"],
 _LIST_KEYS = ("resolutions", "components", "cache_public_keys", "loras")
 _INT_LIST_KEYS = ("text_buckets", "batch_sizes")
 _INT_KEYS = ("tp", "lnc", "text_bucket_step")
-_STR_KEYS = ("output", "cache_dir", "model", "cache_from")
+_STR_KEYS = ("output", "cache_dir", "model", "cache_from", "cpu_target")
 
 
 def _kind(key: str) -> str | None:
@@ -313,3 +313,44 @@ def test_qic_reads_no_test_hooks_from_the_environment():
     found = subprocess.run(["grep", "-rn", "QIC_TEST", str(ROOT / "qic")], capture_output=True, text=True).stdout
     assert found == "", found
 
+
+
+# ---- finding 15: concurrent builds to one output ---------------------------------------------------
+
+def test_concurrent_builds_to_one_output_take_turns(tmp_path, tiny_ckpt, cache_dir, monkeypatch):
+    """Both builds are held at the up-to-date check until both are there (or 3 s pass): unserialised, both
+    would find the output missing and both swap (one failing, or writing twice); serialised, the second
+    finds the first's bundle up to date."""
+    import threading
+
+    from qic.builder import bundle as bundle_stage
+    from qic.builder.pipeline import build
+    gate = threading.Barrier(2, timeout=3)
+    real = bundle_stage._up_to_date
+
+    def meet_then_check(out, key):
+        try:
+            gate.wait()
+        except threading.BrokenBarrierError:
+            pass   # the other build is not there: it holds the lock, or has finished
+        return real(out, key)
+    monkeypatch.setattr(bundle_stage, "_up_to_date", meet_then_check)
+    spec = load_spec(None, {"model": str(tiny_ckpt), "cache_dir": str(cache_dir), "output": str(tmp_path / "out"),
+                            "components": "vae_decoder", "resolutions": ["16x16"]})
+    from qic.spec import with_changes
+    build(with_changes(spec, output=str(tmp_path / "first")))   # graphs memoised: the threads export nothing
+    results, errors = [], []   # (torch.export is not thread-safe; the bundle stage is what is under test)
+
+    def one():
+        try:
+            results.append(build(spec).up_to_date)
+        except Exception as e:   # noqa: BLE001 - the test reports whatever a build raised
+            errors.append(e)
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and sorted(results) == [False, True], (results, errors)
+    from qic.manifest import read_manifest, verify_files
+    verify_files(tmp_path / "out", read_manifest(tmp_path / "out"), full=True)

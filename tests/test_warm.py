@@ -24,7 +24,7 @@ import pytest
 from qic.cache import signing, store
 from qic.errors import BundleError
 from qic.manifest import MANIFEST, finalize
-from tests.conftest import QIC, ROOT, qic
+from tests.conftest import FAULTY_QIC, QIC, ROOT, qic
 
 RES = ("48x80", "32x48")          # tiny-alt's VAE scale is 4: multiples of 8
 GRAPHS = {f"vae_decoder@{r}" for r in RES}
@@ -74,10 +74,10 @@ def warmed(tmp_path_factory, alt_configs, tiny_alt_ckpt):
     # The build pauses while sharding (the shard stage's fault-injection delay), so the warms, which
     # need no shards, reach the compile locks first and the entries are theirs (signed); the build then
     # waits on those locks and must find their artifacts.
-    build = subprocess.Popen([*QIC, "build", "--model", tiny_alt_ckpt, "--cache-dir", cache, "--output", d / "b0",
-                              "--components", "vae_decoder", "--text-buckets", "128,",
+    build = subprocess.Popen([*FAULTY_QIC, "build", "--model", tiny_alt_ckpt, "--cache-dir", cache,
+                              "--output", d / "b0", "--components", "vae_decoder", "--text-buckets", "128,",
                               *[a for r in RES for a in ("--resolution", r)]], cwd=ROOT, text=True,
-                             env={**env, "QIC_TEST_SHARD_DELAY": "0.3"},
+                             env={**env, "FAULTY_SHARD_DELAY": "0.3"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     outs = [p.communicate(timeout=900) for p in (*warms, build)]
     for p, (o, e) in zip((*warms, build), outs):
@@ -121,8 +121,9 @@ def test_a_failed_job_publishes_nothing_and_the_others_finish(warmed, tmp_path, 
     matrix = tmp_path / "m.yaml"
     matrix.write_text(f"model: {json.dumps(str(alt_configs))}\ncomponents: [vae_decoder]\n"
                       f"resolutions: ['48x80', '16x24']\ntext_buckets: [128]\n")
-    proc = qic("warm", matrix, "--cache-dir", warmed.cache, "--report", tmp_path / "r.json", check=False,
-               env={"QIC_TEST_FAIL_GRAPH": "vae_decoder@16x24"})
+    proc = subprocess.run([*FAULTY_QIC, "warm", matrix, "--cache-dir", warmed.cache, "--report", tmp_path / "r.json"],
+                          cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "FAULTY_FAIL_GRAPH": "vae_decoder@16x24"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = {r["graph"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert rows["vae_decoder@48x80"]["status"] == "hit" and rows["vae_decoder@16x24"]["status"] == "failed"
@@ -182,10 +183,19 @@ def test_bundle_for_an_instruction_set_this_cpu_lacks_is_refused_before_loading(
     assert "avx10_2" in e.value.message and "lacks" in e.value.message and "\n" not in e.value.message
     proc = qic("run", bundle, "--prompt", "x", check=False)
     assert proc.returncode == 2 and "avx10_2" in proc.stderr and "Traceback" not in proc.stderr
-    # The untouched bundle on an AVX2-only CPU (this one's flags stood in for).
+    # The untouched bundle on other CPUs (their flags stand in for this one's, so that this passes on AVX2-only
+    # and AVX-512 build machines alike): one with just the flags its target records passes the check, one
+    # lacking the widest of them is refused, naming it.
+    from qic.backends.inductor.load import check
     shutil.copytree(warmed.dir / "b0", tmp_path / "b1")
-    monkeypatch.setattr(qic_target, "host_isa", lambda: ("avx", "avx2", "fma", "f16c"))
-    with pytest.raises(BundleError, match=r"compiled for a CPU with .*avx512f.*it has avx, avx2"):
+    m = json.loads((tmp_path / "b1" / MANIFEST).read_text())
+    assert m["graphs"][0]["target"]["cpu_target"] == qic_target.resolve_cpu_target()   # warms' default too
+    needs = m["graphs"][0]["target"]["isa"]
+    monkeypatch.setattr(qic_target, "host_isa", lambda: tuple(needs))
+    check(tmp_path / "b1", m, "cpu")
+    dropped = next(f for f in ("avx512f", "avx2", *needs) if f in needs)
+    monkeypatch.setattr(qic_target, "host_isa", lambda: tuple(f for f in needs if f != dropped))
+    with pytest.raises(BundleError, match=rf"compiled for .*{dropped}.*lacks it"):
         rb.Bundle(tmp_path / "b1")
 
 

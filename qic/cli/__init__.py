@@ -89,6 +89,8 @@ _BUILD_OPTIONS = [
     click.option("--lora", "loras", multiple=True,
                  help="FILE[:SCALE]: a LoRA merged into the denoiser's weights (repeatable; replaces the config's "
                       "list)."),
+    click.option("--cpu-target", help="inductor: CPU code for portable (default: x86-64-v3, AVX2), auto, "
+                                      "x86-64-v3, x86-64-v4, or native (-march=native: this host's every flag)."),
     click.option("--output", help="Bundle directory to write."),
     click.option("--cache-dir", help="Shard and compile cache directory."),
     click.option("--cache-from", help="Remote compile store to pull hits from: hf://ORG/REPO or a directory."),

@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -32,8 +33,8 @@ class Check:
 
 def collect(root: Path = REPO) -> list[Check]:
     """Every probe, in the order printed."""
-    return [_torch(), _cxx(), _cuda(), _xla_here(), _xla_venv(root), _neuronx_cc(), _libnrt(), _devices(),
-            _instance()]
+    return [_torch(), _cxx(), _cuda(), _cpu_target(), _xla_here(), _xla_venv(root), _neuronx_cc(), _libnrt(),
+            _devices(), _instance()]
 
 
 def backends(checks: list[Check]) -> list[Check]:
@@ -47,8 +48,8 @@ def backends(checks: list[Check]) -> list[Check]:
     xla = c["torch-xla"] if c["torch-xla"].ok else c[".venv-xla"]
     lowering = Check("neuron lowering (HLO, checked on XLA:CPU)", xla.ok,
                      "ready" if xla.ok else f"torch-xla: {c['torch-xla'].detail}; .venv-xla: {c['.venv-xla'].detail}")
-    return [need("inductor --device cpu", "torch", "c++ compiler"),
-            need("inductor --device cuda", "torch", "c++ compiler", "cuda"),
+    return [need("inductor --device cpu", "torch", "c++ compiler", "cpu target"),
+            need("inductor --device cuda", "torch", "c++ compiler", "cuda", "cpu target"),
             lowering,
             need("neuron compile (NEFF)", "neuronx-cc"),
             need("neuron run", "libnrt", "neuron devices")]
@@ -98,6 +99,22 @@ def _cuda() -> Check:
         return Check("cuda", False, f"this torch ({torch.__version__}) is a CPU-only build")
     return Check("cuda", False, f"torch is built for CUDA {torch.version.cuda} but sees no device "
                                 "(no GPU, no driver, or CUDA_VISIBLE_DEVICES hides it)")
+
+
+def _cpu_target() -> Check:
+    """Which CPU levels this machine runs, and what inductor builds here compile CPU code for."""
+    from qic.backends.inductor import target
+    from qic.errors import QicError
+    runs = target.runnable_levels()
+    try:
+        chosen = target.resolve_cpu_target()
+    except QicError as e:
+        return Check("cpu target", False, str(e))
+    how = f"${target.ENV}" if os.environ.get(target.ENV) else f"the default, {target.DEFAULT_CPU_TARGET}"
+    lacks = target.target_mismatch(target.host_target("cpu", chosen), "cpu")
+    detail = (f"{platform.machine()}, runs {', '.join(runs) or 'no declared level'}; builds compile CPU code for "
+              f"{chosen} ({how})")
+    return Check("cpu target", not lacks, detail + (f", which this machine cannot run: {lacks}" if lacks else ""))
 
 
 def _xla_here() -> Check:

@@ -12,10 +12,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from qic.backends.inductor.target import CPU_TARGETS  # stdlib only
+
 NAME = "inductor"
 DEVICES = ("cpu", "cuda")
 DEFAULT_DEVICE = "cpu"
 RUN_DEVICES = DEVICES
+# Build-config keys only this back end takes, with their allowed values (qic/spec.py refuses them elsewhere).
+OPTIONS = {"cpu_target": CPU_TARGETS}
 
 # qic's own post-grad pass for CPU graphs (why: in that file). Keyed by its source's digest, read without
 # importing it: importing inductor's pass base class costs a second on no-op builds. The file's bytes are

@@ -3,19 +3,23 @@ weight-free .pt2 package (weights are trailing inputs: why in qic/builder/compil
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from qic.backends.base import Backend, CompiledGraph, Traced
 from qic.backends.inductor import DEVICES, NAME, passes_digest
-from qic.backends.inductor.target import host_target
+from qic.backends.inductor.target import LEVELS, host_target, resolve_cpu_target, target_mismatch
 from qic.errors import ConfigError
 
 # Weights reach the graph as inputs (see qic/builder/compile.py), so the package holds no weights to
@@ -29,20 +33,50 @@ def takes_qic_passes(device: str) -> bool:
     return device == "cpu"
 
 
-def compile_options(device: str, passes: bool = True) -> dict:
+def compile_options(device: str, passes: bool = True, cpu_target: str = "native") -> dict:
     """The inductor configs qic compiles a graph with on `device` (passes=False: without qic's pass, for
-    the before/after of benchmarks.step_profile)."""
+    the before/after of benchmarks.step_profile) for a resolved `cpu_target` (target.py)."""
     options = dict(INDUCTOR_CONFIGS)
     if passes and takes_qic_passes(device):
         from qic.backends.inductor.passes import UnfuseCpuBiasAddmm
         options["post_grad_custom_post_pass"] = UnfuseCpuBiasAddmm()
+    if cpu_target != "native":
+        options["cpp.march"] = LEVELS[cpu_target].march   # replaces -march=native (also in inductor's cache key)
     return options
+
+
+@contextlib.contextmanager
+def pinned_vector_isa(cpu_target: str):
+    """Inductor's vector kernels at the level's width while compiling for it. Inductor picks the widest
+    vector ISA the build host has and adds that ISA's -m flags after -march: on an AVX-512 host an
+    x86-64-v3 graph would get zmm kernels, and even plain AVX-512 gets -mavx512bf16 where the host has
+    it, which x86-64-v4 does not include. Inductor asks cpu_vec_isa.valid_vec_isa_list() for the ISAs it
+    may use (torch internals; check_torch pins the series), so that list becomes the level's one."""
+    if cpu_target == "native":
+        yield
+        return
+    from torch._inductor import cpu_vec_isa
+
+    class LevelAVX512(cpu_vec_isa.VecAVX512):
+        """AVX-512 F/CD/BW/DQ/VL only: without the bf16 extension torch adds where the host has it."""
+        def build_arch_flags(self) -> str:
+            return self._arch_flags
+
+        def is_avx512_bf16_supported(self) -> bool:
+            return False
+
+    isa = {"avx2": cpu_vec_isa.VecAVX2, "avx512": LevelAVX512, "asimd": cpu_vec_isa.VecNEON}[LEVELS[cpu_target].vec]()
+    # bool(isa): inductor's own check that this compiler and torch build that ISA's kernels; scalar if not.
+    with mock.patch.object(cpu_vec_isa, "valid_vec_isa_list", lambda: [isa] if isa else []):
+        yield
 
 
 class InductorBackend(Backend):
     name = NAME
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, cpu_target: str | None = None):
+        """`cpu_target`: what CPU code is compiled for (target.py: native, auto, portable, a level);
+        None: the default (target.py). CUDA graphs have CPU code too (the host wrapper)."""
         from qic.backends.inductor.load import check_torch
         check_torch()
         if device not in DEVICES:
@@ -51,6 +85,15 @@ class InductorBackend(Backend):
             raise ConfigError("--device cuda asked for, but torch sees no CUDA device",
                               "build on a machine with a GPU, or use --device cpu")
         super().__init__(device)
+        self.cpu_target = resolve_cpu_target(cpu_target)
+        lacks = target_mismatch(host_target("cpu", self.cpu_target), "cpu")
+        if lacks:  # the build loads every graph it compiles (constant_names)
+            raise ConfigError(f"cpu_target {self.cpu_target} cannot be built on this machine: {lacks}",
+                              "build on a machine of that level, or choose a lower cpu_target")
+
+    @classmethod
+    def from_spec(cls, spec) -> InductorBackend:
+        return cls(spec.device, cpu_target=spec.cpu_target)
 
     def identity(self) -> dict:
         """Everything that decides whether an artifact is right and can run here. Inductor's own config
@@ -60,7 +103,7 @@ class InductorBackend(Backend):
         ident = {"backend": self.name, "torch": torch.__version__, "torch_git": torch.version.git_version,
                  "device": self.device, "configs": INDUCTOR_CONFIGS, "env": _compiler_env(),
                  "passes": {"unfuse_cpu_bias_addmm": passes_digest()} if takes_qic_passes(self.device) else {},
-                 "cxx": cxx_version(), "target": host_target(self.device)}
+                 "cxx": cxx_version(), "target": host_target(self.device, self.cpu_target)}
         if self.device == "cuda":
             ident["cuda"] = torch.version.cuda
         return ident
@@ -92,12 +135,28 @@ class InductorBackend(Backend):
             # notice to torch's developers that tells a qic user nothing. Only that one is silenced.
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                     category=FutureWarning)
-            aoti_compile_and_package(program, package_path=str(path), inductor_configs=compile_options(self.device))
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        baked = loader.get_constant_fqns()
+            with pinned_vector_isa(self.cpu_target):
+                aoti_compile_and_package(program, package_path=str(path),
+                                         inductor_configs=compile_options(self.device, cpu_target=self.cpu_target))
+        baked = constant_names(path)
         if baked:  # a weight-dependent constant would silently pin one checkpoint's values
             raise RuntimeError(f"compiled graph holds constants {baked[:3]}; expected none")
         return CompiledGraph(file=path.name)
+
+
+# Run in a child process: torch's package loader never unmaps a loaded .so (nor frees the temporary copy
+# it extracts), so checking in the build process would keep every graph of the build mapped.
+_CONSTANTS_SCRIPT = """import json, sys, torch
+loader = torch._C._aoti.AOTIModelPackageLoader(sys.argv[1], "model", False, 1, -1)
+print(json.dumps(list(loader.get_constant_fqns())))"""
+
+
+def constant_names(path: Path) -> list[str]:
+    """The constants a compiled package holds, read by loading it in a child process (about 2 s)."""
+    proc = subprocess.run([sys.executable, "-c", _CONSTANTS_SCRIPT, str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loading the compiled graph {path} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 def _compiler_env() -> dict:

@@ -13,6 +13,7 @@ NAME = "neuron"
 DEVICES = ("neuron",)
 DEFAULT_DEVICE = "neuron"
 RUN_DEVICES = ("neuron", "xla-cpu")
+OPTIONS: dict = {}   # build-config keys only this back end takes (see the inductor package)
 
 # A graph's files, in its cache entry and bundle folder (written by build.py, read by load.py).
 HLO_FILE = "model.hlo_module.pb"   # the HLO module (entry parameters = used graph inputs, then weights)

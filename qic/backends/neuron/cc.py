@@ -16,6 +16,8 @@ Facts this module relies on ([C] confirmed in the source named, [I] inferred, [U
 A compile runs in a private work directory beside the graph (cwd = that directory, the compiler's own
 log in it), and only a finished NEFF is renamed into place, with `neff.json` recording the cache key,
 compiler version, flags and command. A NEFF whose recorded key matches is reused, never recompiled.
+A compile that runs past its timeout (QIC_NEURONX_CC_TIMEOUT seconds, default 6 hours) is killed with its
+whole process group.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +59,27 @@ _VALUED = {"--framework", "--target", "--model-type", "--auto-cast", "--auto-cas
            "--internal-hlo2tensorizer-options", "--internal-tensorizer-opt-level"}
 _ALIASES = {"-lnc": "--logical-nc-config", "--lnc": "--logical-nc-config", "-O": "--optlevel"}
 _VERSION = re.compile(r"NeuronX Compiler version\s+(\S+)")
+TIMEOUT_ENV = "QIC_NEURONX_CC_TIMEOUT"
+# [U] How long neuronx-cc takes on the real model's graphs is unknown (never run here: docs/neuron.md).
+# 6 hours is meant to be far past any healthy compile of one graph and still end a hung one the same day.
+DEFAULT_TIMEOUT = 6 * 3600.0
+_RUNNING: set[subprocess.Popen] = set()   # compiler processes now running, for compile_many's Ctrl-C
+_RUNNING_LOCK = threading.Lock()
+
+
+def compile_timeout() -> float:
+    """Seconds one neuronx-cc compile may run: $QIC_NEURONX_CC_TIMEOUT, else DEFAULT_TIMEOUT."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds",
+                          f"e.g. {TIMEOUT_ENV}={int(DEFAULT_TIMEOUT)}, or unset it for the default")
+    return value
 
 
 def find() -> tuple[str | None, str]:
@@ -130,7 +155,8 @@ def cache_key(hlo_sha256: str, compiler_version: str, flags: Sequence[str]) -> s
 def compile_neff(hlo_path: str | Path, out_dir: str | Path, args: Sequence[str], compiler: str | None = None,
                  compiler_version: str | None = None, timeout: float | None = None) -> Path:
     """`out_dir/model.neff` compiled from `hlo_path` with `args` (see component_flags); reused when the
-    recorded key matches. Raises CompileError with the compiler's log tail on failure, leaving no NEFF."""
+    recorded key matches. Raises CompileError with the compiler's log tail on failure, and a one-line one
+    when the compile runs past `timeout` seconds (None: compile_timeout()), leaving no NEFF."""
     hlo_path, out_dir = Path(hlo_path).resolve(), Path(out_dir)
     if not hlo_path.is_file():
         raise CompileError(f"{hlo_path}: HLO module not found")
@@ -138,6 +164,7 @@ def compile_neff(hlo_path: str | Path, out_dir: str | Path, args: Sequence[str],
     if compiler is None:
         raise ConfigError(find()[1], "build on a Trainium host with the Neuron SDK installed")
     compiler_version = compiler_version or version(compiler)
+    timeout = compile_timeout() if timeout is None else timeout
     hlo_sha = sha256_file(hlo_path)
     key = cache_key(hlo_sha, compiler_version, args)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,22 +184,23 @@ def cached(out_dir: Path, key: str) -> bool:
 
 
 def _compile(hlo_path: Path, hlo_sha: str, out_dir: Path, args: list[str], compiler: str,
-             compiler_version: str, key: str, timeout: float | None) -> Path:
+             compiler_version: str, key: str, timeout: float) -> Path:
     work = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".tmp-neff-{os.getpid()}-"))
     cmd = [compiler, "compile", str(hlo_path), "--framework", "XLA", *args, "--output", NEFF, "--logfile", LOG]
     t0 = time.perf_counter()
     try:
         with open(work / OUTPUT, "wb") as out:
-            try:
-                rc = subprocess.run(cmd, cwd=work, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = f"timed out after {timeout} s"
+            rc = _run(cmd, work, out, timeout)
         if rc != 0 or not (work / NEFF).is_file():
             kept = out_dir / "compile-failed.log"
             text = "".join((work / f).read_text(errors="replace") for f in (OUTPUT, LOG) if (work / f).is_file())
             kept.write_text(f"$ {shlex.join(cmd)}\n{text}")
+            if rc is None:
+                raise CompileError(f"{COMPILER} on {hlo_path} ran past its {timeout:g} s timeout and was killed; "
+                                   f"log so far: {kept}",
+                                   f"set {TIMEOUT_ENV} to more seconds if the graph needs longer, then rebuild")
             tail = "\n".join("  " + line for line in text.strip().splitlines()[-15:])
-            why = rc if isinstance(rc, str) else f"exit status {rc}" if rc else "no NEFF written"
+            why = f"exit status {rc}" if rc else "no NEFF written"
             raise CompileError(f"{COMPILER} failed on {hlo_path} ({why}); full log: {kept}\n{tail}",
                                "fix the graph or the component's compiler_args, then rebuild")
         # The old record goes first: a crash between the renames below leaves a NEFF with no record
@@ -190,6 +218,34 @@ def _compile(hlo_path: Path, hlo_sha: str, out_dir: Path, args: list[str], compi
         return out_dir / NEFF
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(cmd: list[str], cwd: Path, out, timeout: float) -> int | None:
+    """The compiler's exit status, or None when it ran past `timeout` seconds. It runs in a process group
+    of its own, so that the whole group can be killed: neuronx-cc starts worker processes, which killing
+    neuronx-cc alone would leave running. The terminal's Ctrl-C no longer reaches that group, so an
+    interrupt here, or in compile_many's waiting thread, kills it too."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+    try:
+        return proc.wait(timeout=timeout)
+    except BaseException as e:  # the timeout, Ctrl-C, any other error
+        _kill_group(proc)
+        proc.wait()
+        if isinstance(e, subprocess.TimeoutExpired):
+            return None
+        raise
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 @dataclass(frozen=True)
@@ -217,11 +273,19 @@ def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None, com
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(compile_neff, j.hlo_path, j.out_dir, j.args, compiler, ver, timeout) for j in jobs]
         results, errors = [], []
-        for job, fut in zip(jobs, futures):
-            try:
-                results.append(fut.result())
-            except CompileError as e:
-                errors.append((job, e))
+        try:
+            for job, fut in zip(jobs, futures):
+                try:
+                    results.append(fut.result())
+                except CompileError as e:
+                    errors.append((job, e))
+        except BaseException:  # Ctrl-C arrives here, in the waiting thread: stop every compile, then re-raise
+            for fut in futures:
+                fut.cancel()
+            with _RUNNING_LOCK:
+                for proc in list(_RUNNING):
+                    _kill_group(proc)
+            raise
     if errors:
         lines = [f"{len(errors)} of {len(jobs)} NEFF compiles failed:"]
         lines += [f"  {job.hlo_path}: {e.message.splitlines()[0]}" for job, e in errors]
