@@ -18,18 +18,19 @@ from pathlib import Path
 import torch
 
 from qic import __version__
+from qic.cache import layout
 from qic.checkpoint.reader import TOKENIZER_FILES
-from qic.fsutil import file_lock, link_or_copy, make_temp_dir, replace_dir, sweep_stale
+from qic.fsutil import link_or_copy, make_temp_dir, replace_dir, sweep_stale
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.manifest import MANIFEST, file_entry, finalize
 
 
 def write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key) -> bool:
     """Write the bundle; False when an identical one is already in place. Builds to one output take turns
-    (a lock beside it): without, two that both found it stale could both swap, and the later one fail."""
+    (a lock in the cache): without, two that both found it stale could both swap, and the later one fail."""
     out = Path(spec.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(out.parent / f".{out.name}.lock"):
+    with layout.output_lock(ctx.cache, out):
         return _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out)
 
 

@@ -8,11 +8,12 @@
                                      .model.neff.lock inside it
     CACHE/embedded/<preset>/         the embedded checkpoints, generated once
     CACHE/locks/{graph,shard}-<key>.lock   per-entry inter-process locks (graph-<key>.users.lock: builds
-                                     using the entry)
+                                     using the entry; bundle-<path hash>.lock: builds writing one output)
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from qic.fsutil import FileLock, file_lock, write_bytes_atomic
@@ -68,6 +69,12 @@ def shard_dir(cache: Path, component: str, key: str) -> Path:
 def shard_key_of(dirname: str) -> str:
     """The key of a shard entry's directory name, <component>-<key> (component names have no '-')."""
     return dirname.rpartition("-")[2]
+
+
+def output_lock(cache: Path, output: Path) -> FileLock:
+    """The lock builds writing one bundle directory take turns on (named by its absolute path)."""
+    name = hashlib.sha256(str(Path(output).resolve()).encode()).hexdigest()[:32]
+    return file_lock(Path(cache) / LOCKS / f"bundle-{name}.lock")
 
 
 def shard_lock(cache: Path, key: str) -> FileLock:

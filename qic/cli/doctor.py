@@ -110,7 +110,7 @@ def _cpu_target() -> Check:
         chosen = target.resolve_cpu_target()
     except QicError as e:
         return Check("cpu target", False, str(e))
-    how = f"${target.ENV}" if os.environ.get(target.ENV) else f"the default, {target.DEFAULT_CPU_TARGET}"
+    how = f"the default, {target.DEFAULT_CPU_TARGET}; a build's cpu_target or --cpu-target chooses another"
     lacks = target.target_mismatch(target.host_target("cpu", chosen), "cpu")
     detail = (f"{platform.machine()}, runs {', '.join(runs) or 'no declared level'}; builds compile CPU code for "
               f"{chosen} ({how})")
