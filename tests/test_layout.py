@@ -80,7 +80,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_source_folder_is_named_like_build_output():
-    for root in (PACKAGE, ROOT / "benchmarks", ROOT / "tests"):
+    for root in (PACKAGE, ROOT / "benchmarks", ROOT / "training", ROOT / "tests"):
         bad = [p for p in root.rglob("*") if p.is_dir() and p.name in OUTPUT_NAMES and any(p.rglob("*.py"))]
         assert not bad, f"source folders named like build output: {bad}"
 
