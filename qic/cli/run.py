@@ -147,21 +147,20 @@ def _read_prompts(path: Path) -> list[dict]:
     return out
 
 
-# A JSONL line's option types: what the matching flag's type is (click checks the flags' own).
-_TYPES = {"prompt": str, "negative_prompt": (str, type(None)), "steps": int, "guidance": (int, float), "seed": int,
-          "height": int, "width": int, "aspect": str, "output": str}
+# A JSONL line's option types, each with how an error names it: what the matching flag takes (click checks
+# the flags' own).
+_TYPES = {"prompt": (str, "a string"), "negative_prompt": ((str, type(None)), "a string or null"),
+          "steps": (int, "an integer"), "guidance": ((int, float), "a number"), "seed": (int, "an integer"),
+          "height": (int, "an integer"), "width": (int, "an integer"), "aspect": (str, "a string such as 16:9"),
+          "output": (str, "a file path (a string)")}
 
 
 def _typed(obj: dict, where: str) -> dict:
     """The line's options, each of its flag's type ("3" is not a seed, 3.5 not a step count, true not 1)."""
     for key, value in obj.items():
-        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and key != "prompt"):
-            raise ConfigError(f"{where}: {key} {value!r} must be {_KIND[key]}")
+        kind, name = _TYPES[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} {value!r} must be {name}")
     if not obj["prompt"]:
         raise ConfigError(f"{where}: prompt must be a non-empty string")
     return obj
-
-
-_KIND = {"prompt": "a string", "negative_prompt": "a string or null", "steps": "an integer",
-         "guidance": "a number", "seed": "an integer", "height": "an integer", "width": "an integer",
-         "aspect": "a string such as 16:9", "output": "a file path (a string)"}
