@@ -1,9 +1,9 @@
-# qic: `make run` installs, builds the embedded tiny model and generates an image; `make test` runs the suite.
+# qic: `make run` installs, builds the embedded trained shapes model and draws the prompt; `make test` runs the suite.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= a red bicycle leaning against a blue wall
+PROMPT ?= a yellow circle on a blue background
 
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml constraints-ci.txt
 
 run: install
 	$(BIN)/qic build
-	$(BIN)/qic run artifacts/tiny --prompt "$(PROMPT)" --output artifacts/tiny.png
+	$(BIN)/qic run artifacts/shapes --prompt "$(PROMPT)" --output artifacts/shapes.png
 
 test: install xla-env workflow-lint
 	$(BIN)/python -m ruff check .

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from qic import backends
+from qic.checkpoint.presets import default_resolutions
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
@@ -32,15 +33,16 @@ MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dr
 
 @dataclass(frozen=True)
 class BuildSpec:
-    model: str | None = None                       # None: the embedded tiny checkpoint
+    model: str | None = None                       # None: the embedded default checkpoint (embedded:shapes)
     backend: str = backends.NAMES[0]
     device: str = "cpu"
     tp: int = 1
     dtype: tuple[tuple[str, str], ...] = tuple((c, "float32") for c in COMPONENTS)
-    resolutions: tuple[tuple[int, int], ...] = ((48, 80),)   # (height, width)
+    # (height, width); when not given, the model's own: the trained default's three, else 48x80
+    resolutions: tuple[tuple[int, int], ...] = default_resolutions(None)
     text_buckets: tuple[int, ...] = (128,)         # text-encoder lengths, template included; (0,) = exact length
     components: tuple[str, ...] = COMPONENTS
-    output: str = "artifacts/tiny"
+    output: str = "artifacts/shapes"
     cache_dir: str = "artifacts/cache"
     # Looped (one compiled block over stacked weights) is the default: with inductor it compiled in 0.59x
     # the time at 4 blocks (0.31x at 16, flat with depth) and ran at 0.95-0.97x the step time of
@@ -86,7 +88,7 @@ class BuildSpec:
 
 def load_spec(config_path: str | Path | None = None, overrides: Mapping | None = None) -> BuildSpec:
     """Parse a YAML build config and apply flag overrides; with no config, BuildSpec()'s defaults (the
-    embedded tiny model, as configs/tiny.yaml spells out), so the default build needs no file."""
+    embedded trained shapes model, as configs/shapes.yaml spells out), so the default build needs no file."""
     path = Path(config_path) if config_path else None
     raw = read_yaml_mapping(path) if path else {}
     lines = key_lines(raw)
@@ -165,14 +167,17 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
     components = _str_list(raw.get("components", list(COMPONENTS)), "components", at("components"))
     for c in components:
         _choice(c, COMPONENTS, "components", at("components"))
+    model = _optional_str(raw.get("model", d.model), "model", at("model"))
+    embedded = model is None or model.startswith("embedded:")
+    resolutions = default_resolutions(model[len("embedded:"):] if model else None) if embedded else ((48, 80),)
     return BuildSpec(
-        model=_optional_str(raw.get("model", d.model), "model", at("model")),
+        model=model,
         backend=backend,
         device=device,
         tp=tp,
         dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", at("dtype")),
-        resolutions=tuple(parse_resolution(r, at("resolutions"))
-                          for r in _str_list(raw.get("resolutions", ["48x80"]), "resolutions", at("resolutions"))),
+        resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
+            raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
         text_buckets=(buckets := _buckets(raw, at)),
         components=tuple(c for c in COMPONENTS if c in components),
         output=_path(raw.get("output", d.output), "output", at("output")),

@@ -137,6 +137,35 @@ def bundle_batch2(workdir, cache_dir, tiny_ckpt) -> Path:
     return out
 
 
+# ---- the trained shapes model (issue 20) ---------------------------------------------------------------
+
+SHAPES_RES = (128, 128)
+
+
+@pytest.fixture(scope="session")
+def shapes_ckpt(workdir) -> Path:
+    from qic.checkpoint.embedded import write_checkpoint
+    return write_checkpoint(workdir / "ckpt-shapes", "shapes")
+
+
+@pytest.fixture(scope="session")
+def shapes_bundle(workdir, cache_dir) -> Path:
+    """The default build exactly (`qic build` naming no model: embedded:shapes at its three resolutions), so
+    tests/test_install.py's default builds are cache hits."""
+    out = workdir / "bundle-shapes"
+    qic("build", "--cache-dir", cache_dir, "--output", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shapes_bundle_batch2(shapes_bundle, workdir, cache_dir) -> Path:
+    """The trained model at 128x128 with batch sizes 1 and 2 (the batch-1 graphs are the default build's)."""
+    out = workdir / "bundle-shapes-batch2"
+    qic("build", "--cache-dir", cache_dir, "--output", out, "--resolution", "{}x{}".format(*SHAPES_RES),
+        "--batch-sizes", "1,2")
+    return out
+
+
 @pytest.fixture(scope="session")
 def fake_libnrt(tmp_path_factory) -> Path:
     """A FAKE libnrt (tests/fakes/fake_libnrt.c, built with gcc): records the calls qic's NEFF loader

@@ -4,15 +4,21 @@ directory: nothing it needs lives outside the package (no configs/ beside it, no
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
-from tests.conftest import ROOT
+import numpy as np
+from PIL import Image
 
-PROMPT = "a red bicycle"
+from tests.conftest import ROOT
+from training import shapes
+
+# `make run`'s prompt, read from the Makefile so the two cannot drift apart.
+PROMPT = re.search(r"^PROMPT \?= (.+)$", (ROOT / "Makefile").read_text(), re.M)[1].strip()
 
 
 def _sources(dest: Path) -> Path:
@@ -43,9 +49,11 @@ def _qic(bin_dir: Path, cwd: Path, *args) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp_path, bundle, cache_dir):
-    """`bundle` fills the session cache with the default graphs (48x80, bucket 128), so both builds below
-    compile nothing; the installed copy computes the same spec keys, since its files are the package's."""
+def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp_path, shapes_bundle, cache_dir):
+    """`shapes_bundle` fills the session cache with the default graphs (the trained model at its three
+    resolutions, bucket 128), so both builds below compile nothing; the installed copy computes the same spec
+    keys, since its files are the package's (trained weights included). What `make run` does, from an empty
+    directory: the picture shows `make run`'s prompt."""
     bin_dir = _fresh_venv(tmp_path / "venv")
     src = _sources(tmp_path / "src")
     # `pip install .` in its two steps: the wheel built by this environment's setuptools (no download: the
@@ -57,20 +65,23 @@ def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp
     subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel)], check=True,
                    capture_output=True)
     where = subprocess.run([str(bin_dir / "python"), "-c", "import qic, importlib.util as u; print(qic.__file__); "
-                            "print(u.find_spec('benchmarks'))"], cwd=tmp_path, capture_output=True, text=True,
+                            "print(u.find_spec('benchmarks')); "
+                            "print(u.find_spec('training'))"], cwd=tmp_path, capture_output=True, text=True,
                            check=True).stdout.split()
     assert where[0].startswith(str(tmp_path / "venv")) and "site-packages" in where[0], where  # not editable
     assert where[1] == "None", "benchmarks/ must stay out of the wheel"
+    assert where[2] == "None", "training/ must stay out of the wheel (its output, the weights, is in it)"
 
     empty = tmp_path / "empty"
     empty.mkdir()
     _qic(bin_dir, empty, "build", "--cache-dir", cache_dir)
-    _qic(bin_dir, empty, "run", "artifacts/tiny", "--prompt", PROMPT, "--steps", "3", "--output", "installed.png")
+    _qic(bin_dir, empty, "run", "artifacts/shapes", "--prompt", PROMPT, "--output", "installed.png")
+    image = np.asarray(Image.open(empty / "installed.png").convert("RGB"))
+    assert shapes.means(image, PROMPT), (PROMPT, shapes.read_image(image))
 
     # The same default through the checkout's own qic, in another empty directory: the same bytes.
     other = tmp_path / "other"
     other.mkdir()
     _qic(Path(sys.executable).parent, other, "build", "--cache-dir", cache_dir)
-    _qic(Path(sys.executable).parent, other, "run", "artifacts/tiny", "--prompt", PROMPT, "--steps", "3",
-         "--output", "checkout.png")
+    _qic(Path(sys.executable).parent, other, "run", "artifacts/shapes", "--prompt", PROMPT, "--output", "checkout.png")
     assert (empty / "installed.png").read_bytes() == (other / "checkout.png").read_bytes()

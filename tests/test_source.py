@@ -44,7 +44,8 @@ def test_hub_id_resolves_offline_from_the_local_hub_cache(tmp_path, tiny_ckpt, m
 def test_local_directory_and_embedded(tmp_path, tiny_ckpt):
     assert resolve_model(str(tiny_ckpt), tmp_path).root == tiny_ckpt
     emb = resolve_model(None, tmp_path)
-    assert emb.model_id == "embedded:tiny" and (emb.root / "model_index.json").is_file()
+    assert emb.model_id == "embedded:shapes" and (emb.root / "model_index.json").is_file()   # the default
+    assert resolve_model("embedded:tiny", tmp_path).model_id == "embedded:tiny"
     with pytest.raises(CheckpointError, match="not found"):
         resolve_model(str(tmp_path / "missing"), tmp_path)
 

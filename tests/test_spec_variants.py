@@ -123,9 +123,14 @@ def test_lora_flags_and_config_entries():
         parse_spec({"cfg": "yes"})
 
 
-def test_the_default_build_needs_no_config_file_and_is_configs_tiny_yaml(tmp_path, monkeypatch):
+def test_the_default_build_needs_no_config_file_and_is_configs_shapes_yaml(tmp_path, monkeypatch):
     """`qic build` with no config reads no file (an installed qic has no configs/ beside it); the
-    repository's configs/tiny.yaml spells out the same spec."""
+    repository's configs/shapes.yaml spells out the same spec: the trained model at its three resolutions.
+    configs/tiny.yaml is the random tiny model at its test shape."""
     from qic.spec import load_spec
     monkeypatch.chdir(tmp_path)
-    assert load_spec() == load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert load_spec() == load_spec(configs / "shapes.yaml")
+    assert load_spec().resolutions == ((128, 128), (96, 160), (160, 96))
+    tiny = load_spec(configs / "tiny.yaml")
+    assert tiny.model == "embedded:tiny" and tiny.resolutions == ((48, 80),) and tiny.output == "artifacts/tiny"

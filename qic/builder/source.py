@@ -1,4 +1,5 @@
-"""Where a build's checkpoint comes from: the embedded tiny model, a local directory, or a hub id."""
+"""Where a build's checkpoint comes from: an embedded model (the trained default or a random preset), a local
+directory, or a hub id."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from qic.cache import layout
 from qic.checkpoint.reader import FOLDERS, Checkpoint
 from qic.errors import CheckpointError
 
-EMBEDDED_PREFIX = "embedded:"   # embedded:tiny, embedded:tiny-alt
+EMBEDDED_PREFIX = "embedded:"   # embedded:shapes (the default, trained), embedded:tiny, embedded:tiny-alt, ...
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Files a build needs from a hub repo; the vision tower lives in the text encoder shards and is simply not read.
 _HUB_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "text_encoder/*", "transformer/*", "vae/*"]
@@ -19,18 +20,28 @@ _HUB_CONFIG_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "*/con
 
 
 def resolve_model(model: str | None, cache_dir: Path, configs_only: bool = False) -> Checkpoint:
-    """None -> the embedded tiny checkpoint (generated once into the cache); a directory; or a hub id
-    (configs_only: only its configs and tokenizer are fetched)."""
+    """None -> the default embedded checkpoint (the trained `shapes`, written once into the cache); an
+    embedded preset; a directory; or a hub id (configs_only: only its configs and tokenizer are fetched)."""
     if model is None or model.startswith(EMBEDDED_PREFIX):
         from qic.checkpoint.embedded import write_checkpoint
 
-        preset = model[len(EMBEDDED_PREFIX):] if model else "tiny"
+        preset = embedded_preset(model)
         root = write_checkpoint(layout.embedded_dir(cache_dir, preset), preset_name=preset, seed=0)
         return Checkpoint(root, model_id=f"{EMBEDDED_PREFIX}{preset}")
     if not is_hub_id(model):
         path = Path(model).expanduser()
         return Checkpoint(path, model_id=str(path.resolve()))
     return Checkpoint(_from_hub(model, _HUB_CONFIG_PATTERNS if configs_only else _HUB_PATTERNS), model_id=model)
+
+
+def embedded_preset(model: str | None) -> str:
+    """The embedded preset a model names (None: the default)."""
+    from qic.checkpoint.presets import DEFAULT
+    return model[len(EMBEDDED_PREFIX):] if model else DEFAULT
+
+
+def display_name(model: str | None) -> str:
+    return model or f"{EMBEDDED_PREFIX}{embedded_preset(None)}"
 
 
 def is_hub_id(model: str) -> bool:
@@ -63,14 +74,14 @@ def resolve_configs(model: str | None, cache_dir: Path) -> tuple[dict, dict]:
     """(parsed config per component, raw config per checkpoint folder), reading configs only: an embedded
     preset, a local directory (weights not needed), or a hub id (only its config files are fetched)."""
     from qic.builder.components import COMPONENTS
-    from qic.checkpoint.presets import preset
+    from qic.checkpoint.presets import PRESETS, preset
 
     if model is None or model.startswith(EMBEDDED_PREFIX):
-        name = model[len(EMBEDDED_PREFIX):] if model else "tiny"
+        name = embedded_preset(model)
         try:
             raw = {f: preset(name)[f] for f in FOLDERS}
         except KeyError as e:
-            raise CheckpointError(str(e.args[0]), "use embedded:tiny, embedded:tiny-alt or embedded:small") from None
+            raise CheckpointError(str(e.args[0]), "use " + ", ".join(EMBEDDED_PREFIX + n for n in PRESETS)) from None
     else:
         path = _from_hub(model, _CONFIG_PATTERNS) if is_hub_id(model) else Path(model).expanduser()
         ckpt = Checkpoint(path)

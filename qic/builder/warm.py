@@ -24,6 +24,7 @@ from qic.backends import NAMES, backend_for, info
 from qic.builder.binding import compile_job
 from qic.builder.context import Context, validate
 from qic.builder.jobs import plan_jobs
+from qic.builder.source import display_name
 from qic.cache import layout, store
 from qic.cache.signing import load_private_key
 from qic.errors import ConfigError, QicError, warn
@@ -89,7 +90,7 @@ def plan(specs) -> tuple[list[PlannedJob], list[WarmRow]]:
     jobs: dict[str, PlannedJob] = {}
     failed = []
     for spec in specs:
-        model = spec.model or "embedded:tiny"
+        model = display_name(spec.model)
         try:
             backend = backend_for(spec)
             ctx = Context(spec, None, configs_only=True)

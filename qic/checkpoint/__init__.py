@@ -1,1 +1,1 @@
-"""Reading diffusers-layout checkpoints, resolving model sources, and the embedded tiny checkpoint."""
+"""Reading diffusers-layout checkpoints, resolving model sources, and the embedded tiny checkpoints."""

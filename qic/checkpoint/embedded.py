@@ -1,4 +1,5 @@
-"""The embedded default checkpoint: a tiny random-weight Qwen-Image in the real hub/diffusers layout.
+"""The embedded checkpoints: tiny Qwen-Images in the real hub/diffusers layout, random (the parity tests'
+presets) or trained (`shapes`, the default: weights from package data, qic/checkpoint/trained.py).
 
 `write_checkpoint(out_dir, preset_name, seed)` writes, deterministically and atomically, a directory that
 `diffusers.QwenImagePipeline.from_pretrained` loads as is, laid out like `Qwen/Qwen-Image` on the hub:
@@ -361,9 +362,13 @@ DEFAULT_SHARDS = {"text_encoder": 2, "transformer": 2}
 
 
 def _generate(root: Path, p: Mapping, marker: dict, seed: int, tokenizer_json: bool,
-              shards: Mapping[str, int] = DEFAULT_SHARDS) -> None:
+              shards: Mapping[str, int] = DEFAULT_SHARDS, weights=None) -> None:
     """Write the checkpoint of the component configs `p` (text_encoder, transformer, vae, scheduler) into
-    root. Components are drawn and written one after another, so at most one is in memory."""
+    root. Components are drawn (or, with `weights(component)`, read) and written one after another, so at
+    most one is in memory."""
+    def state(component: str) -> dict[str, torch.Tensor]:
+        return weights(component) if weights else component_state_dict(component, p[component], seed)
+
     (root / "model_index.json").write_bytes(_json_bytes(MODEL_INDEX))
 
     d = root / "scheduler"
@@ -377,19 +382,19 @@ def _generate(root: Path, p: Mapping, marker: dict, seed: int, tokenizer_json: b
 
     d = root / "text_encoder"
     d.mkdir()
-    (d / "config.json").write_bytes(_json_bytes(p["text_encoder"]))
-    _write_sharded(d, component_state_dict("text_encoder", p["text_encoder"], seed), "model", shards["text_encoder"])
+    (d / "config.json").write_bytes(_json_bytes(dict(p["text_encoder"])))
+    _write_sharded(d, state("text_encoder"), "model", shards["text_encoder"])
 
     d = root / "transformer"
     d.mkdir()
     (d / "config.json").write_bytes(_json_bytes(p["transformer"]))
-    _write_sharded(d, component_state_dict("transformer", p["transformer"], seed), "diffusion_pytorch_model",
+    _write_sharded(d, state("transformer"), "diffusion_pytorch_model",
                    shards["transformer"])
 
     d = root / "vae"
     d.mkdir()
     (d / "config.json").write_bytes(_json_bytes(p["vae"]))
-    save_file(component_state_dict("vae", p["vae"], seed), str(d / "diffusion_pytorch_model.safetensors"),
+    save_file(state("vae"), str(d / "diffusion_pytorch_model.safetensors"),
               metadata=dict(SAFETENSORS_METADATA))
 
     files = sorted(f for f in root.rglob("*") if f.is_file())
@@ -438,8 +443,14 @@ def write_checkpoint(out_dir: str | Path, preset_name: str = "tiny", seed: int =
     if preset_name not in _presets.PRESETS:
         raise CheckpointError(f"unknown embedded checkpoint preset {preset_name!r}",
                               f"known: {', '.join(sorted(_presets.PRESETS))}")
-    return _write(Path(out_dir), _presets.preset(preset_name), _marker(preset_name, seed, tokenizer_json),
-                  seed, tokenizer_json, DEFAULT_SHARDS)
+    p = _presets.preset(preset_name)
+    marker = _marker(preset_name, seed, tokenizer_json)
+    weights = None
+    if p.get("trained"):   # the trained model's weights are package data: the seed does not enter
+        from qic.checkpoint import trained
+        marker["weights_sha256"] = trained.weights_digest(preset_name)
+        weights = lambda component: trained.state_dict(preset_name, component)   # noqa: E731
+    return _write(Path(out_dir), p, marker, seed, tokenizer_json, DEFAULT_SHARDS, weights)
 
 
 def write_checkpoint_from_configs(out_dir: str | Path, configs: Mapping, label: str, seed: int = 0, *,
@@ -453,7 +464,7 @@ def write_checkpoint_from_configs(out_dir: str | Path, configs: Mapping, label: 
 
 
 def _write(out_dir: Path, configs: Mapping, marker: dict, seed: int, tokenizer_json: bool,
-           shards: Mapping[str, int]) -> Path:
+           shards: Mapping[str, int], weights=None) -> Path:
     out = out_dir.absolute()
     if _matches(out, marker):
         return out
@@ -465,7 +476,7 @@ def _write(out_dir: Path, configs: Mapping, marker: dict, seed: int, tokenizer_j
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _generate(tmp, configs, marker, seed, tokenizer_json, shards)
+        _generate(tmp, configs, marker, seed, tokenizer_json, shards, weights)
         for f in tmp.rglob("*"):  # mkdtemp makes 0700, safetensors may write 0600: make it readable
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
         os.chmod(tmp, 0o755)

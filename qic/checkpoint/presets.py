@@ -1,6 +1,10 @@
-"""Config presets for tiny random-weight Qwen-Image checkpoints.
+"""Config presets for the embedded tiny Qwen-Image checkpoints.
 
-`tiny` is the embedded default that `qic build` uses when no model is named; `tiny-alt` differs from
+`shapes` (the default of `qic build`) is trained (training/train_shapes.py): its configs and weights ship in
+qic/checkpoint/data/shapes/ and are read through qic/checkpoint/trained.py; the others are random weights
+drawn by qic/checkpoint/embedded.py's recipe, for the parity tests.
+
+`tiny` is the random preset most tests build; `tiny-alt` differs from
 it in heads, GQA ratio, layers, z_dim and VAE depth (so the VAE scale factor), so that tests catch
 anything about sizes that leaked into code as a constant. Both follow the real checkpoint's config
 layout (`Qwen/Qwen-Image`): flat Qwen2.5-VL text_encoder config with a nested vision_config,
@@ -176,6 +180,44 @@ PRESETS = {
         "default_resolution": (256, 256),
     },
 }
+
+
+def shapes_architecture() -> dict:
+    """The trained `shapes` model's configs before training (training/train_shapes.py): tiny's text encoder
+    (random, frozen), a 4-block denoiser on 16 latent channels, and a one-res-block-per-level VAE whose
+    latent statistics training fills in. Kept here so the training script and the preset agree."""
+    tiny = PRESETS["tiny"]
+    return {
+        "text_encoder": copy.deepcopy(tiny["text_encoder"]),
+        "transformer": _transformer(in_channels=64, out_channels=16, layers=4, head_dim=32, heads=4,
+                                    joint_dim=64, axes=(8, 12, 12)),
+        "vae": _vae(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), temperal_downsample=(False, True, True),
+                    latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16) | {"num_res_blocks": 1},
+        "scheduler": copy.deepcopy(QWEN_IMAGE_SCHEDULER),
+    }
+
+
+def _trained_presets() -> dict:
+    """The trained models' presets (qic/checkpoint/trained.py), when their package data is present."""
+    from qic.checkpoint import trained
+    out = {}
+    for name in trained.TRAINED:
+        if (trained.folder(name) / "trained.json").is_file():
+            out[name] = trained.configs(name) | {"default_resolution": trained.SHAPES_RESOLUTIONS[0],
+                                                 "default_resolutions": trained.SHAPES_RESOLUTIONS,
+                                                 "trained": True}
+    return out
+
+
+PRESETS.update(_trained_presets())
+DEFAULT = "shapes"   # what `qic build` builds when no model is named
+
+
+def default_resolutions(name: str | None) -> tuple[tuple[int, int], ...]:
+    """A build's resolutions when none are given: an embedded preset's own (the trained model's three), else
+    48x80 (the random presets' test shape, and what an explicit checkpoint gets unless it names its own)."""
+    p = PRESETS.get(name or DEFAULT, {})
+    return tuple(tuple(r) for r in p.get("default_resolutions", ((48, 80),)))
 
 
 def preset(name: str) -> dict:

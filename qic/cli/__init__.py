@@ -72,7 +72,7 @@ def main(debug):
 
 _BUILD_OPTIONS = [
     click.option("--model", help="Checkpoint: a local diffusers-layout directory or a hub id "
-                                 "(default: embedded tiny)."),
+                                 "(default: embedded:shapes, the trained tiny model)."),
     click.option("--backend", help="inductor | neuron"),
     click.option("--device", help="cpu | cuda (inductor), neuron"),
     click.option("--tp", type=int, help="Tensor-parallel degree."),
@@ -117,7 +117,7 @@ def _overrides(resolutions, loras=(), cache_public_keys=(), **flags) -> dict:
 @_build_options
 @_friendly
 def build_command(config, resolutions, **flags):
-    """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default: the embedded tiny model)."""
+    """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default: the trained embedded:shapes)."""
     from qic.cli.build import run_build
     run_build(config, _overrides(resolutions, **flags))
 

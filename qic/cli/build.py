@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from qic.cli.plan import print_plan
+from qic.cli.plan import model_name, print_plan
 from qic.cli.tables import size, wide_console
 
 
@@ -47,4 +47,5 @@ def run_build(config, overrides) -> None:
 def _print_plan(plan, spec) -> None:
     """The memory plan on stdout, before any work (stderr stays for progress and errors; rich's live
     progress display prints stdout above itself)."""
-    print_plan(plan, spec.model or "embedded:tiny", wide_console())
+    print_plan(plan, model_name(spec.model), wide_console())
+

@@ -24,7 +24,7 @@ def run_plan(config, overrides) -> None:
         config, overrides = None, {**overrides, "model": str(config)}
     spec = load_spec(config, overrides)
     configs, raw = resolve_configs(spec.model, Path(spec.cache_dir))
-    print_plan(plan_memory(spec, configs, raw, Path(spec.cache_dir)), spec.model or "embedded:tiny", wide_console())
+    print_plan(plan_memory(spec, configs, raw, Path(spec.cache_dir)), model_name(spec.model), wide_console())
 
 
 def print_plan(plan, model: str, console: Console) -> None:
@@ -46,3 +46,8 @@ def print_plan(plan, model: str, console: Console) -> None:
                   f"disk: {size(plan.shard_disk)} shards + {size(plan.artifact_disk)} compiled graphs in the cache, "
                   f"the bundle hard-links the shards and copies the graphs; {len(plan.graphs)} graphs, "
                   f"compile about {plan.compile_seconds / 60:.1f} min ({plan.compile_source})")
+
+
+def model_name(model: str | None) -> str:
+    from qic.builder.source import display_name  # lazily, like every builder import of the CLI
+    return display_name(model)

@@ -1,0 +1,71 @@
+"""The trained embedded model (`embedded:shapes`): its weights ship as package data in data/<name>/, written
+by training/train_shapes.py, with trained.json holding the configs, each file's sha256, the command that
+made them and the training record. Weights are stored in fp16 and widened to fp32 here (exact).
+
+A file whose sha256 differs from trained.json's is refused naming the file: the weights are what the
+meaning checks were measured on, so a damaged or edited copy must not pass for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from qic.errors import CheckpointError
+
+DATA = Path(__file__).resolve().parent / "data"
+TRAINED = ("shapes",)
+# The trained model's resolutions, (height, width): what it was trained at and what its default bundle holds.
+SHAPES_RESOLUTIONS = ((128, 128), (96, 160), (160, 96))
+
+
+def folder(name: str) -> Path:
+    return DATA / name
+
+
+@lru_cache(maxsize=None)
+def record(name: str) -> dict:
+    """trained.json of a trained model (configs, files, training); CheckpointError if absent or unreadable."""
+    path = folder(name) / "trained.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: the trained {name!r} model's record is missing or unreadable ({e})",
+                              "reinstall qic, or retrain: python -m training.train_shapes") from None
+    if not isinstance(meta, dict) or not {"configs", "files"} <= set(meta):
+        raise CheckpointError(f"{path}: not a trained-model record (needs configs and files)")
+    return meta
+
+
+def configs(name: str) -> dict:
+    return json.loads(json.dumps(record(name)["configs"]))   # a deep copy callers may edit
+
+
+def weights_digest(name: str) -> str:
+    """One digest over the weight files' recorded sha256 (what an embedded checkpoint's marker keys on)."""
+    files = record(name)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def state_dict(name: str, component: str) -> dict[str, torch.Tensor]:
+    """One component's weights as fp32, after checking the file against its recorded sha256."""
+    from safetensors.torch import load
+
+    fname = f"{component}.safetensors"
+    path = folder(name) / fname
+    want = record(name)["files"].get(fname)
+    if want is None:
+        raise CheckpointError(f"{folder(name) / 'trained.json'}: no {fname} listed")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the trained weights ({e.strerror or e})") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise CheckpointError(f"{path}: sha256 {got[:16]}... is not the recorded {want[:16]}... (damaged or edited)",
+                              "reinstall qic, or retrain: python -m training.train_shapes")
+    return {k: v.to(torch.float32) for k, v in load(data).items()}
