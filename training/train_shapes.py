@@ -1,7 +1,7 @@
 """Train the embedded `shapes` model: a tiny Qwen-Image that draws `a {colour} {shape} on a {background}
 background` (training/shapes.py), in diffusers' own classes so `QwenImagePipeline` loads the result as is.
 
-    python -m training.train_shapes            # the full run (about an hour on 2 CPU cores), writes the
+    python -m training.train_shapes            # the full run (80 min on 2 CPU cores), writes the
                                                # package data in qic/checkpoint/data/shapes/
     python -m training.train_shapes --phase1 DIR   # phase 2 only, from an earlier phase-1 export (--work)
     python -m training.train_shapes --smoke --out DIR    # a few iterations of every stage (make test)
