@@ -45,7 +45,7 @@ run: install
 
 test: install xla-env workflow-lint
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20   # the slowest 20, for whoever trims the suite next
 
 # Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.
 MATRIX ?= configs/warm/tiny.yaml

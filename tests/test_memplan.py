@@ -153,4 +153,4 @@ def test_build_prints_the_plan_before_any_work(tmp_path):
     assert not (tmp_path / "cache" / "shards").exists() and not (tmp_path / "out").exists()
     (plan,) = seen
     assert [c.ranks for c in plan.components] == [2, 2, 1]
-    assert re.fullmatch(r"denoiser@48x80@L128", plan.graphs[1].name)
+    assert re.fullmatch(r"denoiser@128x128@L128", plan.graphs[1].name)   # the default model's first resolution
