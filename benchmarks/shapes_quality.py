@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from qic.checkpoint import trained
 from training import shapes
 
-RESOLUTIONS = ((128, 128), (96, 160), (160, 96))
+RESOLUTIONS = trained.resolutions("shapes")   # the three the default bundle holds
 GRID = Path(__file__).resolve().parents[1] / "docs" / "img" / "shapes-held-out.png"
 
 

@@ -168,8 +168,7 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
     for c in components:
         _choice(c, COMPONENTS, "components", at("components"))
     model = _optional_str(raw.get("model", d.model), "model", at("model"))
-    embedded = model is None or model.startswith("embedded:")
-    resolutions = default_resolutions(model[len("embedded:"):] if model else None) if embedded else ((48, 80),)
+    resolutions = default_resolutions(model)
     return BuildSpec(
         model=model,
         backend=backend,

@@ -382,7 +382,7 @@ def _generate(root: Path, p: Mapping, marker: dict, seed: int, tokenizer_json: b
 
     d = root / "text_encoder"
     d.mkdir()
-    (d / "config.json").write_bytes(_json_bytes(dict(p["text_encoder"])))
+    (d / "config.json").write_bytes(_json_bytes(p["text_encoder"]))
     _write_sharded(d, state("text_encoder"), "model", shards["text_encoder"])
 
     d = root / "transformer"

@@ -203,8 +203,8 @@ def _trained_presets() -> dict:
     out = {}
     for name in trained.TRAINED:
         if (trained.folder(name) / "trained.json").is_file():
-            out[name] = trained.configs(name) | {"default_resolution": trained.SHAPES_RESOLUTIONS[0],
-                                                 "default_resolutions": trained.SHAPES_RESOLUTIONS,
+            res = trained.resolutions(name)
+            out[name] = trained.configs(name) | {"default_resolution": res[0], "default_resolutions": res,
                                                  "trained": True}
     return out
 
@@ -213,10 +213,13 @@ PRESETS.update(_trained_presets())
 DEFAULT = "shapes"   # what `qic build` builds when no model is named
 
 
-def default_resolutions(name: str | None) -> tuple[tuple[int, int], ...]:
-    """A build's resolutions when none are given: an embedded preset's own (the trained model's three), else
-    48x80 (the random presets' test shape, and what an explicit checkpoint gets unless it names its own)."""
-    p = PRESETS.get(name or DEFAULT, {})
+def default_resolutions(model: str | None) -> tuple[tuple[int, int], ...]:
+    """A build's resolutions when none are given, for its `model` (None: the default): an embedded preset's
+    own (the trained model's three), else 48x80 (the random presets' test shape, and what an explicit
+    checkpoint gets unless its config names its own)."""
+    if model is not None and not model.startswith("embedded:"):
+        return ((48, 80),)
+    p = PRESETS.get(model.removeprefix("embedded:") if model else DEFAULT, {})
     return tuple(tuple(r) for r in p.get("default_resolutions", ((48, 80),)))
 
 

@@ -19,8 +19,6 @@ from qic.errors import CheckpointError
 
 DATA = Path(__file__).resolve().parent / "data"
 TRAINED = ("shapes",)
-# The trained model's resolutions, (height, width): what it was trained at and what its default bundle holds.
-SHAPES_RESOLUTIONS = ((128, 128), (96, 160), (160, 96))
 
 
 def folder(name: str) -> Path:
@@ -43,6 +41,11 @@ def record(name: str) -> dict:
 
 def configs(name: str) -> dict:
     return json.loads(json.dumps(record(name)["configs"]))   # a deep copy callers may edit
+
+
+def resolutions(name: str) -> tuple[tuple[int, int], ...]:
+    """(height, width) the model was trained at, as its record says: what its default bundle holds."""
+    return tuple((int(h), int(w)) for h, w in record(name)["training"]["resolutions"])
 
 
 def weights_digest(name: str) -> str:
