@@ -71,4 +71,7 @@ def state_dict(name: str, component: str) -> dict[str, torch.Tensor]:
     if got != want:
         raise CheckpointError(f"{path}: sha256 {got[:16]}... is not the recorded {want[:16]}... (damaged or edited)",
                               "reinstall qic, or retrain: python -m training.train_shapes")
-    return {k: v.to(torch.float32) for k, v in load(data).items()}
+    # safetensors' load hands the tensors back in no fixed order; the checkpoint's shard split follows the
+    # order, so sort it for the same files on every write.
+    tensors = load(data)
+    return {k: tensors[k].to(torch.float32) for k in sorted(tensors)}
