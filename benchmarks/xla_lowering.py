@@ -1,6 +1,7 @@
 """The neuron back end's lowering, measured and checked on XLA:CPU (run with .venv-xla's python).
 
     python -m benchmarks.xla_lowering tp N        # TP=N HLO: replica groups, host transfers, N-device run vs TP=1
+    python -m benchmarks.xla_lowering step-cache N  # step caching's split graphs at TP=N, the same checks
     python -m benchmarks.xla_lowering depth       # looped (While) vs a host loop over one block vs unrolled
     python -m benchmarks.xla_lowering depth-sizes # only the HLO sizes and lowering times (seconds to run)
     python -m benchmarks.xla_lowering real HxW    # the real Qwen-Image configs lowered from shapes alone
@@ -107,6 +108,59 @@ def tp_check(tp: int) -> dict:
             "cos": [torch.nn.functional.cosine_similarity(o[0].flatten().float(), w, 0).item() for o in outs],
             "rel_l2": [((o[0].flatten().float() - w).norm() / w.norm()).item() for o in outs],
             "wrong_shard_cos": torch.nn.functional.cosine_similarity(wrong[0][0].flatten().float(), w, 0).item(),
+        }
+    return out
+
+
+PARTS = (("head", None), ("mid", None), ("mid", 1), ("tail", None))
+
+
+def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
+    """Step caching's split graphs (head, mid, mid over one row, tail) of a 4-block denoiser at TP=tp:
+    lowered, executed on tp XLA:CPU devices with each rank's shard, every output compared with the TP=1
+    eager part on the same weights; plus a host transfer count (a decision read inside a graph would be one)."""
+    from qic.builder.binding import fake_world
+    from qic.builder.graphs import step_part_graph
+    from qic.parallel.tp import apply_tp, shard_state_dict
+    cfgs = _configs(num_layers=4)
+    fake_world(tp)
+    comp, cfg = COMPONENTS["denoiser"], cfgs["denoiser"]
+    full = _random(comp.make_module(cfg, tp_size=1, looped=False))
+    mod = comp.make_module(cfg, tp_size=tp, looped=True)
+    apply_tp(mod)
+    out = {}
+    for part, rows in PARTS:
+        def make(m):
+            return step_part_graph(m, cfg, cfgs["vae_decoder"].scale_factor, 48, 80, 128, "float32", part, first,
+                                   last, rows=rows)
+        g1, g = make(full), make(mod)
+        inputs = _inputs(g1)
+        with torch.no_grad():
+            want = g1.module(*[t for _, t in inputs])
+        want = list(want) if isinstance(want, tuple) else [want]
+        names = dict(g.module.named_parameters())
+        names.update(g.module.named_buffers())
+        low = xl.lower(g.module, g.inputs, names, tp=tp)
+        owned = dict(g1.module.named_buffers())
+        per_rank = []
+        for r in range(tp):
+            shard = stack_block_weights(shard_state_dict("denoiser", full.state_dict(), r, tp), "transformer_blocks",
+                                        cfg.num_layers)
+            per_rank.append(low.values(inputs, {**owned, **{g.weight_prefix + k: v for k, v in shard.items()}}))
+        outs = xl.execute_ranks(low.proto, per_rank)
+        ops = hlo_proto.opcodes(low.proto)
+
+        def cos(a, b):
+            return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
+        out[g.name] = {
+            "outputs": len(want), "all_reduce": ops["all-reduce"], "while": ops["while"],
+            "host_transfers": sum(ops[o] for o in HOST_TRANSFER_OPS),
+            "replica_groups": sorted({json.dumps(x) for op in ("all-reduce", "all-gather")
+                                      for x in hlo_proto.replica_groups(low.proto, op)}),
+            # per rank, the worst output's cosine and rel-L2 against TP=1 eager
+            "cos": [min(cos(o, w) for o, w in zip(rank_out, want)) for rank_out in outs],
+            "rel_l2": [max(((o.double() - w.double()).norm() / w.double().norm()).item()
+                           for o, w in zip(rank_out, want)) for rank_out in outs],
         }
     return out
 
@@ -278,6 +332,8 @@ def main(argv: list[str]) -> None:
         result = depth(sizes=(1, 2), timed=(1,), repeats=1)
     elif what == "tp":
         result = tp_check(int(argv[1]))
+    elif what == "step-cache":
+        result = step_cache_check(int(argv[1]))
     elif what == "sensitivity":
         result = sensitivity()
     elif what == "depth-sizes":

@@ -18,6 +18,7 @@ from qic.checkpoint.presets import default_resolutions
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
+from qic.host.cache_policy import format_steps, settings_from
 from qic.host.schedule import check_overrides
 
 BACKENDS = backends.NAMES
@@ -26,8 +27,10 @@ DTYPES = tuple(TORCH_DTYPES)
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
-        "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target")
-DEFAULT_KEYS = ("steps", "guidance")
+        "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target", "step_cache")
+# Run defaults a bundle records: qic run's and qic serve's when a request leaves them out.
+DEFAULT_KEYS = ("steps", "guidance", "cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous",
+                "cache_steps")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 
 
@@ -75,6 +78,9 @@ class BuildSpec:
     # (-march=native and the build host's every flag). None: portable, which cost nothing measurable against
     # native at real width (docs/benchmarks.md, "CPU targets") and serves every machine of its level.
     cpu_target: str | None = None
+    # Step caching: (first, last) blocks always computed; the split step graphs are built beside the whole-step
+    # ones (qic/models/step_cache.py). None: not built. (1, 0) is diffusers' FirstBlockCache, (8, 0) cache-dit's.
+    step_cache: tuple[int, int] | None = None
 
     def dtype_of(self, component: str) -> str:
         return dict(self.dtype)[component]
@@ -169,7 +175,7 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         _choice(c, COMPONENTS, "components", at("components"))
     model = _optional_str(raw.get("model", d.model), "model", at("model"))
     resolutions = default_resolutions(model)
-    return BuildSpec(
+    spec = BuildSpec(
         model=model,
         backend=backend,
         device=device,
@@ -197,7 +203,10 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         cache_trusted=_bool(raw.get("cache_trusted", d.cache_trusted), "cache_trusted", at("cache_trusted")),
         batch_sizes=_batch_sizes(raw.get("batch_sizes", [1]), buckets, at("batch_sizes")),
         cpu_target=_cpu_target(raw.get("cpu_target"), backend, at("cpu_target")),
+        step_cache=_step_cache(raw.get("step_cache"), components, at("step_cache")),
     )
+    _cache_defaults_need_graphs(dict(spec.defaults), spec.step_cache, at("defaults"))
+    return spec
 
 
 def _cpu_target(value, backend: str, source: str) -> str | None:
@@ -326,9 +335,11 @@ def _defaults(value, source: str) -> tuple:
     if guidance is not None and (not isinstance(guidance, (int, float)) or isinstance(guidance, bool)
                                  or not 0 <= guidance < float("inf")):
         raise ConfigError(f"{source}: defaults.guidance must be a number >= 0, got {guidance!r}")
+    cache = settings_from({k: v for k, v in value.items() if k.startswith("cache_")}, f"{source}: defaults")
+    value = dict(value)
+    if cache.steps is not None:
+        value["cache_steps"] = format_steps(cache.steps)   # one hashable form: '0-7,9'
     return tuple(sorted((k, v) for k, v in value.items() if v is not None))
-
-
 
 
 def _compiler_args(value, source: str) -> tuple[tuple[str, str], ...]:
@@ -388,6 +399,32 @@ def _buckets(raw: Mapping, at) -> tuple[int, ...]:
     if "text_bucket_step" in raw:
         return bucket_steps(raw["text_bucket_step"], at("text_bucket_step"))
     return parse_buckets(raw.get("text_buckets", list(BuildSpec.text_buckets)), at("text_buckets"))
+
+
+def _cache_defaults_need_graphs(defaults: dict, step_cache, source: str) -> None:
+    active = (defaults.get("cache_threshold") or 0) > 0 or defaults.get("cache_steps") is not None
+    if active and step_cache is None:
+        raise ConfigError(f"{source}: defaults turn step caching on, but the build has no step_cache",
+                          "add step_cache: {first: 1, last: 0} (or --step-cache 1,0)")
+
+
+def _step_cache(value, components, source: str) -> tuple[int, int] | None:
+    """{first: Fn, last: Bn}, [Fn, Bn] or the flag's 'Fn,Bn'; Fn >= 1 (the decision needs a block's residual),
+    Bn >= 0. Whether the denoiser has a middle left is checked against its config when the graphs are planned."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        unknown = sorted(set(map(str, value)) - {"first", "last"})
+        if unknown:
+            raise ConfigError(f"{source}: step_cache has keys first and last, got {unknown[0]!r}")
+        value = [value.get("first", 1), value.get("last", 0)]
+    items = _int_list(value)
+    if not items or len(items) != 2 or items[0] < 1 or items[1] < 0:
+        raise ConfigError(f"{source}: step_cache must be {{first: Fn, last: Bn}} (or 'Fn,Bn') with Fn >= 1 and "
+                          f"Bn >= 0, e.g. 1,0 (diffusers' FirstBlockCache) or 8,0 (cache-dit's), got {value!r}")
+    if "denoiser" not in components:
+        raise ConfigError(f"{source}: step_cache splits the denoiser's step, but components leave the denoiser out")
+    return items[0], items[1]
 
 
 def _int_list(value) -> list[int] | None:

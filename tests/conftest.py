@@ -159,10 +159,11 @@ def shapes_bundle(workdir, cache_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def shapes_bundle_batch2(shapes_bundle, workdir, cache_dir) -> Path:
-    """The trained model at 128x128 with batch sizes 1 and 2 (the batch-1 graphs are the default build's)."""
+    """The trained model at 128x128 with batch sizes 1 and 2 (the batch-1 graphs are the default build's), and
+    step caching's split graphs for cache-dit's DBCache with Fn 2, Bn 1 (tests/test_step_cache.py)."""
     out = workdir / "bundle-shapes-batch2"
     qic("build", "--cache-dir", cache_dir, "--output", out, "--resolution", "{}x{}".format(*SHAPES_RES),
-        "--batch-sizes", "1,2")
+        "--batch-sizes", "1,2", "--step-cache", "2,1")
     return out
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from qic.builder.components import COMPONENTS
-from qic.builder.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.builder.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
 from qic.checkpoint.reader import Checkpoint
 from qic.dtypes import TORCH_DTYPES
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
@@ -22,16 +22,19 @@ from qic.tokenizer import load_tokenizer
 class _Eager:
     def __init__(self, gdef):
         self.module = gdef.module.eval()
-        self.inputs = gdef.inputs
+        self.inputs = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in gdef.inputs]
+        self._dtypes = [t.dtype for _, t in gdef.inputs]
 
     def __call__(self, *tensors):
-        args = [t.to(ex.dtype) for t, (_, ex) in zip(tensors, self.inputs)]
+        args = [t.to(dt) for t, dt in zip(tensors, self._dtypes)]
         with torch.no_grad():
-            return [self.module(*args)]
+            out = self.module(*args)
+        return list(out) if isinstance(out, tuple) else [out]
 
 
 class EagerModel:
-    def __init__(self, root: str | Path, resolutions, buckets, dtype: str = "float32"):
+    def __init__(self, root: str | Path, resolutions, buckets, dtype: str = "float32",
+                 step_cache: tuple[int, int] | None = None):
         self.ckpt = Checkpoint(Path(root))
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
         self.resolutions = [tuple(r) for r in resolutions]
@@ -52,19 +55,24 @@ class EagerModel:
                         "channels": self.configs["denoiser"].in_channels}
         self._graphs = {}
         self.defaults = {}
+        self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
 
     def check_resolution(self, height, width):
         from qic.host.latents import check_resolution
         check_resolution(height, width, self.latents["vae_scale_factor"])
 
-    def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1):
+    def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None):
         return True  # eager modules make every graph on demand
 
-    def graph(self, component, resolution=None, bucket=None, cfg=True, batch=1):
-        key = (component, resolution, bucket, cfg, batch)
+    def graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None, rows=None):
+        key = (component, resolution, bucket, cfg, batch, part, rows)
         if key not in self._graphs:
             m = self.modules[component]
-            if component == "text_encoder":
+            if part is not None:
+                gdef = step_part_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
+                                       bucket, self.dtype, part, self.step_cache["first"], self.step_cache["last"],
+                                       cfg=cfg, batch=batch, rows=rows)
+            elif component == "text_encoder":
                 gdef = text_encoder_graph(m, bucket, batch=batch)
             elif component == "denoiser":
                 gdef = denoiser_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,

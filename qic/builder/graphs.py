@@ -3,6 +3,8 @@
 - text_encoder@L:        ids [1, L], mask [1, L]                     -> hidden [1, L, D]
 - denoiser@HxW@L:        one whole denoise step, cond+uncond batched -> next latents [1, S, C]
 - vae_decoder@HxW:       packed latents [1, S, C]                    -> image [1, 3, H, W] in [-1, 1]
+- denoiser@HxW@L@head, @mid, @mid@R1, @tail: the step in three parts for step caching (build config
+  `step_cache`), inputs and outputs in step_part_graph below; the whole-step graph stays beside them.
 
 Batched graphs (build config `batch_sizes`) carry `@B<n>` and take n images where the above take 1:
 ids/mask [n, L]; latents [n, S, C] with text [2n, L, D] (n prompts, then their n negative prompts) and
@@ -26,6 +28,7 @@ from qic.host.latents import packed_grid
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
 from qic.models.mmdit import rope_tables
 from qic.models.step import DenoiseStep
+from qic.models.step_cache import StepHead, StepMiddle, StepTail
 from qic.models.vae_decoder import QwenVAEDecoder
 
 
@@ -62,6 +65,92 @@ class StepGraph(nn.Module):
         cos = torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0)
         sin = torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0)
         return self.step(latents, text_embeds, text_mask, timestep, sigma, sigma_next, guidance, cos, sin)
+
+
+class StepPartGraph(nn.Module):
+    """A step-caching part (qic/models/step_cache.py) with its RoPE tables as build-time buffers, like
+    StepGraph. Its inputs vary with the part (and CFG, and whether a tail runs blocks), so they are given by
+    name: `names` orders the positional graph inputs."""
+
+    def __init__(self, part: nn.Module, names: list[str], config, rows: int, cols: int, max_text: int):
+        super().__init__()
+        self.part, self.names = part, names
+        cos, sin = rope_tables(config, rows, cols, max_text)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.max_text = max_text
+
+    def forward(self, *args):
+        x = dict(zip(self.names, args))
+        if "text_mask" in x:
+            n, m = x["text_mask"].shape[1], self.max_text
+            x["rope_cos"] = torch.cat([self.rope_cos[:n], self.rope_cos[m:]], 0)
+            x["rope_sin"] = torch.cat([self.rope_sin[:n], self.rope_sin[m:]], 0)
+        return self.part(**x)
+
+
+def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
+                    part: str, first: int, last: int, cfg: bool = True, batch: int = 1,
+                    rows: int | None = None) -> GraphDef:
+    """One part of the step for step caching. R = text rows (2 x batch with CFG), S image tokens, D inner dim:
+    - head: latents [B, S, C], text_embeds [R, L, J], text_mask [R, L], timestep, prev_residual [R, S, D]
+            -> img, txt, temb, residual, diff [R] fp32
+    - mid:  img [r, S, D], txt [r, L, D], temb [r, D], text_mask [r, L] (r = R, or `rows`)
+            -> img, txt, img_residual, txt_residual
+    - tail: latents, img_base [R, S, D], img_residual, temb, sigma, sigma_next, [guidance],
+            [text_mask, txt_base, txt_residual when last > 0] -> latents
+    """
+    grid_rows, grid_cols = packed_grid(height, width, vae_scale)
+    tokens = grid_rows * grid_cols
+    text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
+    example_len = text_len if bucket else 8
+    dt = TORCH_DTYPES[dtype]
+    n_rows = rows or (2 * batch if cfg else batch)
+    dim = config.inner_dim
+
+    def scalar(value):
+        return torch.tensor(value, dtype=torch.float32)
+
+    def act(n, *shape):  # activations: ones, so that an executed check (XLA) never divides by a zero mean
+        return torch.ones(n, *shape, dtype=dt)
+
+    text_mask = ("text_mask", torch.ones(n_rows, example_len, dtype=torch.long))
+    guidance = [("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else []
+    if part == "head":
+        module = StepHead(mmdit, first, cfg)
+        inputs = [("latents", act(batch, tokens, config.in_channels)),
+                  ("text_embeds", act(n_rows, example_len, config.joint_attention_dim)), text_mask,
+                  ("timestep", scalar(500.0)), ("prev_residual", act(n_rows, tokens, dim))]
+        outputs = ["img", "txt", "temb", "residual", "diff"]
+        text_inputs = ("text_embeds", "text_mask")
+    elif part == "mid":
+        module = StepMiddle(mmdit, first, last)
+        inputs = [("img", act(n_rows, tokens, dim)), ("txt", act(n_rows, example_len, dim)),
+                  ("temb", act(n_rows, dim)), text_mask]
+        outputs = ["img", "txt", "img_residual", "txt_residual"]
+        text_inputs = ("txt", "text_mask")
+    elif part == "tail":
+        module = StepTail(mmdit, last, cfg)
+        inputs = [("latents", act(batch, tokens, config.in_channels)), ("img_base", act(n_rows, tokens, dim)),
+                  ("img_residual", act(n_rows, tokens, dim)), ("temb", act(n_rows, dim)),
+                  ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))] + guidance
+        if last:
+            inputs += [text_mask, ("txt_base", act(n_rows, example_len, dim)),
+                       ("txt_residual", act(n_rows, example_len, dim))]
+        outputs = ["latents"]
+        text_inputs = ("text_mask", "txt_base", "txt_residual")
+    else:
+        raise ValueError(f"unknown step part {part!r}")
+    names = [n for n, _ in inputs]
+    dynamic = None
+    if not bucket:
+        text = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
+        dynamic = {n: ({1: text} if n in text_inputs else None) for n in names}
+    shape = ({"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False})
+             | {"part": part, "first": first, "last": last} | ({"rows": rows} if rows else {}) | _batch_shape(batch))
+    wrapped = StepPartGraph(module, names, config, grid_rows, grid_cols, text_len)
+    return GraphDef(graph_name("denoiser", (height, width), bucket, cfg, batch, part, rows), "denoiser", wrapped,
+                    inputs, outputs, dynamic=dynamic, shape=shape, weight_prefix="part.mmdit.")
 
 
 def _batch_shape(batch: int) -> dict:
@@ -128,6 +217,10 @@ def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
         return text_encoder_graph(module, shape["bucket"], batch)
     if component == "denoiser":
         h, w = shape["resolution"]
+        if "part" in shape:
+            return step_part_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
+                                   shape["bucket"], dtype, shape["part"], shape["first"], shape["last"],
+                                   cfg=shape.get("cfg", True), batch=batch, rows=shape.get("rows"))
         return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
                               shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch)
     return vae_decoder_graph(module, *shape["resolution"], batch)

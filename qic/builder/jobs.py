@@ -19,6 +19,7 @@ from qic import __version__
 from qic.builder.components import COMPONENTS
 from qic.builder.context import looped, tp_of
 from qic.builder.graphs import make_graph
+from qic.errors import ConfigError
 from qic.graph_names import graph_name
 
 # Which checkpoint configs each component's graphs depend on (the denoiser step packs latents by the VAE's scale).
@@ -110,6 +111,7 @@ def spec_key(gdef_name: str, shape: dict, dtype: str, tp: int, configs: dict, id
 def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
     """Every graph the spec asks for, with its spec key. `configs`: parsed per component; `raw`: the
     checkpoint's config.json per folder; `backend`: the build half (its identity keys the graphs)."""
+    check_step_cache(spec, configs)
     code = code_digest()
     identity = backend.identity()
     where = {"backend": spec.backend, "device": spec.device}
@@ -137,13 +139,35 @@ def graph_shapes(spec) -> list[tuple[str, dict]]:
     out = [("text_encoder", {"bucket": b} | n)
            for n in batches for b in spec.text_buckets if "text_encoder" in spec.components]
     if "denoiser" in spec.components:
-        out += [("denoiser", {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | n)
-                for n in batches for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
+        steps = [("denoiser", {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | n)
+                 for n in batches for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
+        out += steps
+        if spec.step_cache:
+            out += [("denoiser", s) for _, step in steps for s in step_part_shapes(step, *spec.step_cache)]
     if "vae_decoder" in spec.components:
         out += [("vae_decoder", {"resolution": [h, w]} | n) for n in batches for h, w in spec.resolutions]
     return out
 
 
+def step_part_shapes(step: dict, first: int, last: int) -> list[dict]:
+    """The split graphs of one step graph's shape: head, mid over all rows, mid over one row (when there is
+    more than one: the rows that compute when the others cache), tail."""
+    rows = (2 if step.get("cfg", True) else 1) * step.get("batch", 1)
+    parts = [{"part": "head"}, {"part": "mid"}] + ([{"part": "mid", "rows": 1}] if rows > 1 else [])
+    parts.append({"part": "tail"})
+    return [step | {"first": first, "last": last} | p for p in parts]
+
+
+def check_step_cache(spec, configs: dict) -> None:
+    """The split must leave the middle at least one block of the denoiser's."""
+    if spec.step_cache and "denoiser" in configs:
+        first, last = spec.step_cache
+        layers = configs["denoiser"].num_layers
+        if first + last >= layers:
+            raise ConfigError(f"step_cache first {first} + last {last} leaves no middle block of the denoiser's "
+                              f"{layers} blocks", f"use first + last <= {layers - 1}")
+
+
 def name_of(component: str, shape: dict) -> str:
     return graph_name(component, shape.get("resolution"), shape.get("bucket"), shape.get("cfg", True),
-                      shape.get("batch", 1))
+                      shape.get("batch", 1), shape.get("part"), shape.get("rows"))

@@ -83,6 +83,8 @@ _BUILD_OPTIONS = [
     click.option("--text-bucket-step", type=int, help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
     click.option("--batch-sizes", help="Images per graph call to build graphs for, e.g. 1,2 (qic serve batches "
                                        "compatible requests in these sizes); default 1."),
+    click.option("--step-cache", help="Step caching's split graphs: Fn,Bn blocks always computed first and last "
+                 "(1,0: diffusers' FirstBlockCache; 8,0: cache-dit's DBCache default)."),
     click.option("--components", help="Comma-separated subset of text_encoder,denoiser,vae_decoder."),
     click.option("--layers", type=click.Choice(["unrolled", "looped"]),
                  help="Transformer blocks unrolled in the graph, or one block looped over stacked weights."),
@@ -252,6 +254,16 @@ def inspect_command(bundle, verify):
                    "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU).")
 @click.option("--weights", "weights_from", type=click.Path(file_okay=False),
               help="Run with another bundle's weights (same architecture: e.g. Qwen-Image-2512, a LoRA build).")
+@click.option("--cache-threshold", type=float, default=None,
+              help="Step caching: reuse the middle blocks' residual when the first blocks' changed by at most this "
+                   "(relative L1; 0: off). Needs a bundle built with --step-cache.")
+@click.option("--cache-warmup", type=int, default=None, help="Step caching: steps that always compute first.")
+@click.option("--cache-max-cached", type=int, default=None,
+              help="Step caching: most cached steps per branch (-1: any).")
+@click.option("--cache-max-continuous", type=int, default=None,
+              help="Step caching: most cached steps in a row per branch (-1: any).")
+@click.option("--cache-steps", default=None,
+              help="Step caching with a static mask: the steps that compute, e.g. 0-7,9,11,13 (no per-step read).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
 @click.option("--verify-all", is_flag=True,
               help="Re-hash every weight file, not only those changed since they were last verified.")

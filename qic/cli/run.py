@@ -8,13 +8,15 @@ import time
 from pathlib import Path
 
 from qic.errors import ConfigError
+from qic.host.cache_policy import computed_line
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from qic.runtime.launch import bundle_tp, spawn_ranks, torchrun_world
 from qic.runtime.png import save_png
 
-_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output")
+_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output",
+                "cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous", "cache_steps")
 
 
 def run_cli(bundle_path: str, options: dict) -> None:
@@ -109,6 +111,8 @@ def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, res
         parts += [f"step{i} {s:.3f}s" for i, s in enumerate(steps)]
         parts += [f"decode {result.timings['decode']:.3f}s", f"save {result.timings['save']:.3f}s"]
         print("timing: " + ", ".join(parts))
+        if result.computed is not None:
+            print("step cache: " + computed_line(result.computed, req.steps))
 
 
 def _read_prompts(path: Path) -> list[dict]:
@@ -152,7 +156,9 @@ def _read_prompts(path: Path) -> list[dict]:
 _TYPES = {"prompt": (str, "a string"), "negative_prompt": ((str, type(None)), "a string or null"),
           "steps": (int, "an integer"), "guidance": ((int, float), "a number"), "seed": (int, "an integer"),
           "height": (int, "an integer"), "width": (int, "an integer"), "aspect": (str, "a string such as 16:9"),
-          "output": (str, "a file path (a string)")}
+          "output": (str, "a file path (a string)"), "cache_threshold": ((int, float), "a number"),
+          "cache_warmup": (int, "an integer"), "cache_max_cached": (int, "an integer"),
+          "cache_max_continuous": (int, "an integer"), "cache_steps": (str, "steps like '0-7,9'")}
 
 
 def _typed(obj: dict, where: str) -> dict:

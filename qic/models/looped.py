@@ -214,6 +214,16 @@ class StackedLayers(nn.Module):
         # same forward code run the scan.
         return iter((self,))
 
+    def __getitem__(self, index: slice):
+        """layers[a:b], like a ModuleList's slice: iterates as one callable running layers a..b-1 (a view of
+        rows a..b-1 of every stack, no copy), or as nothing for an empty range."""
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"StackedLayers takes a contiguous slice of layers, got {index!r}")
+        start, stop, _ = index.indices(self.num_layers)
+        if stop <= start:
+            return ()
+        return (self,) if (start, stop) == (0, self.num_layers) else (_LayerRange(self, start, stop),)
+
     def stacked_tensors(self) -> dict[str, torch.Tensor]:
         """Layer-local name -> current [L, ...] tensor (follows functional_call's substitutions)."""
         # Not get_parameter: under functional_call the attributes are plain tensors, not Parameters.
@@ -223,9 +233,12 @@ class StackedLayers(nn.Module):
             out[name] = getattr(self.stacked.get_submodule(path), leaf)
         return out
 
-    def forward(self, *args):
+    def forward(self, *args, layers: tuple[int, int] | None = None):
+        """layers: (start, stop) to run only those (what a slice calls); None runs all."""
         carry, invariants = tuple(args[:self.num_carry]), args[self.num_carry:]
         xs = self.stacked_tensors()
+        if layers is not None:
+            xs = {k: v[layers[0]:layers[1]] for k, v in xs.items()}
         names, n_carry, template = list(xs), self.num_carry, self.template
 
         def layer(carry, weights, extra):
@@ -257,6 +270,16 @@ class StackedLayers(nn.Module):
 
             final = scan_op(body, list(carry), list(xs.values()), tuple(invariants[i] for i in slots))[:n_carry]
         return tuple(final) if n_carry > 1 else final[0]
+
+
+class _LayerRange:
+    """Layers start..stop-1 of a StackedLayers, callable like it (not a module: it owns no tensors)."""
+
+    def __init__(self, layers: StackedLayers, start: int, stop: int):
+        self.layers, self.range = layers, (start, stop)
+
+    def __call__(self, *args):
+        return self.layers(*args, layers=self.range)
 
 
 # ---------------------------------------------------------------------------------------------- models

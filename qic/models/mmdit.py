@@ -294,17 +294,38 @@ class QwenMMDiT(nn.Module):
         encoder_hidden_states_mask [B, S_txt] (nonzero = valid) or None when every token is valid;
         timestep [B] = t / 1000 as diffusers' pipeline passes it; rope_cos/sin from rope_tables(...,
         txt_len=S_txt). Returns [B, S_img, patch^2 * out_channels]."""
+        img, txt, temb = self.embed(hidden_states, encoder_hidden_states, timestep)
+        attn_mask = self.attention_mask(encoder_hidden_states_mask, img)
+        img, txt = self.blocks(img, txt, temb, attn_mask, rope_cos, rope_sin)
+        return self.output(img, temb)
+
+    # The forward's three parts, also called one by one by the step-caching graphs (qic/models/step_cache.py),
+    # which run a range of the blocks each: one definition of the arithmetic for both.
+
+    def embed(self, hidden_states, encoder_hidden_states, timestep):
+        """(img [B, S_img, dim], txt [B, S_txt, dim], temb [B, dim]): the input projections and timestep embedding."""
         img = self.img_in(hidden_states)
         t = timestep.to(img.dtype)  # diffusers rounds t to the model dtype before embedding it
         temb = self.time_text_embed.timestep_embedder(timestep_proj(t).to(img.dtype))
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
-        attn_mask = None
-        if encoder_hidden_states_mask is not None:
-            # Key-padding mask over [text | image]; image keys are always valid. SDPA: True = attend.
-            img_valid = torch.ones(img.shape[:2], dtype=torch.bool, device=img.device)
-            attn_mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), img_valid], 1)[:, None, None, :]
-        for block in self.transformer_blocks:
+        return img, txt, temb
+
+    @staticmethod
+    def attention_mask(encoder_hidden_states_mask, img):
+        if encoder_hidden_states_mask is None:
+            return None
+        # Key-padding mask over [text | image]; image keys are always valid. SDPA: True = attend.
+        img_valid = torch.ones(img.shape[:2], dtype=torch.bool, device=img.device)
+        return torch.cat([encoder_hidden_states_mask.to(torch.bool), img_valid], 1)[:, None, None, :]
+
+    def blocks(self, img, txt, temb, attn_mask, rope_cos, rope_sin, start: int = 0, stop: int | None = None):
+        """Blocks start..stop-1 (all by default) over both streams. Slicing works for the unrolled block list
+        and for the looped one (qic/models/looped.py: a slice of the stacked weights, no copy)."""
+        for block in self.transformer_blocks[start:stop]:
             img, txt = block(img, txt, temb, attn_mask, rope_cos, rope_sin)
+        return img, txt
+
+    def output(self, img, temb):
         return self.proj_out(self.norm_out(img, temb))
 
 

@@ -41,19 +41,30 @@ class DenoiseStep(nn.Module):
         if text_embeds.shape[0] != rows:
             raise ValueError(f"DenoiseStep(cfg={self.cfg}) takes text of batch {rows} for latents of batch "
                              f"{images}, got {text_embeds.shape[0]}")
-        t = (timestep.to(latents.dtype) / 1000).reshape(1).expand(rows)
+        t = model_timestep(timestep, latents, rows)
         # [cond rows | uncond rows]: each image's latents twice, matching the text rows' order.
         model_in = latents.repeat(2, 1, 1) if self.cfg else latents
         pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin)
-        if self.cfg:
-            cond, neg = pred[:images], pred[images:]
-            if guidance.dim() > 0:   # one scale per image, broadcast over its tokens and channels
-                guidance = guidance.reshape(images, 1, 1)
-            comb = neg + guidance * (cond - neg)
-            # Norms per token of each image: the rescale never mixes images.
-            v = comb * (torch.linalg.vector_norm(cond, dim=-1, keepdim=True)
-                        / torch.linalg.vector_norm(comb, dim=-1, keepdim=True))
-        else:
-            v = pred
-        # 0-dim fp32 sigmas times v keep v's dtype (as in the scheduler); the sum is fp32.
-        return (latents.float() + (sigma_next - sigma) * v).to(latents.dtype)
+        return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)
+
+
+def model_timestep(timestep: torch.Tensor, latents: torch.Tensor, rows: int) -> torch.Tensor:
+    """The transformer's timestep input [rows]: the scheduler's t in the latents' dtype, over 1000."""
+    return (timestep.to(latents.dtype) / 1000).reshape(1).expand(rows)
+
+
+def guide_and_update(latents, pred, guidance, sigma, sigma_next, cfg: bool) -> torch.Tensor:
+    """True CFG with norm rescale over the prediction rows [cond | uncond] (cfg), then the Euler update."""
+    images = latents.shape[0]
+    if cfg:
+        cond, neg = pred[:images], pred[images:]
+        if guidance.dim() > 0:   # one scale per image, broadcast over its tokens and channels
+            guidance = guidance.reshape(images, 1, 1)
+        comb = neg + guidance * (cond - neg)
+        # Norms per token of each image: the rescale never mixes images.
+        v = comb * (torch.linalg.vector_norm(cond, dim=-1, keepdim=True)
+                    / torch.linalg.vector_norm(comb, dim=-1, keepdim=True))
+    else:
+        v = pred
+    # 0-dim fp32 sigmas times v keep v's dtype (as in the scheduler); the sum is fp32.
+    return (latents.float() + (sigma_next - sigma) * v).to(latents.dtype)

@@ -66,6 +66,7 @@ class Bundle:
         self.scheduler = m["scheduler"]
         self.defaults = m.get("defaults", {})         # run defaults of the build config (steps, guidance)
         self.prompt = m["prompt"]
+        self.step_cache = m.get("step_cache")         # {first, last}: the split step graphs are in (or None)
         shards: dict[str, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple, Graph] = {}
         for g in m["graphs"]:
@@ -93,15 +94,17 @@ class Bundle:
     def id(self) -> str:
         return self.manifest["id"]
 
-    def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1) -> Graph:
-        name = graph_name(component, resolution, bucket, cfg, batch)
+    def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
+              part: str | None = None, rows: int | None = None) -> Graph:
+        name = graph_name(component, resolution, bucket, cfg, batch, part, rows)
         try:
             return self.graphs[_key(component, name)]
         except KeyError:
             raise BundleError(f"{self.path}: no graph {name} in this bundle") from None
 
-    def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1) -> bool:
-        return _key(component, graph_name(component, resolution, bucket, cfg, batch)) in self.graphs
+    def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
+                  part: str | None = None) -> bool:
+        return _key(component, graph_name(component, resolution, bucket, cfg, batch, part)) in self.graphs
 
     def check_resolution(self, height: int, width: int) -> None:
         if (height, width) not in self.resolutions:

@@ -15,10 +15,13 @@ from PIL import Image
 
 from qic.errors import ConfigError
 from qic.host.aspect import pick_resolution
+from qic.host.cache_policy import FIELDS as CACHE_FIELDS
+from qic.host.cache_policy import CacheSettings, settings_from
 from qic.host.latents import initial_noise
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.runtime.bundle import Bundle
+from qic.runtime.step_cache import cached_loop
 
 DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
 
@@ -33,6 +36,13 @@ class Request:
     height: int | None = None
     width: int | None = None
     aspect: str | None = None           # 'W:H': the bundle's resolution of that aspect ratio
+    # Step caching (qic/runtime/step_cache.py); None: the bundle's run default (else off)
+    cache_threshold: float | None = None
+    cache_warmup: int | None = None
+    cache_max_cached: int | None = None
+    cache_max_continuous: int | None = None
+    cache_steps: str | list | None = None
+    cache: CacheSettings | None = field(default=None, init=False, repr=False)   # resolved by validate()
 
 
 @dataclass
@@ -41,6 +51,9 @@ class Result:
     request: Request
     timings: dict = field(default_factory=dict)   # seconds: tokenize, encode, step[i], decode
     bucket: int = 0                               # the text bucket used (0: exact length)
+    # Step caching: per text row (cond rows of the batch's images, then uncond rows) the steps that computed
+    # their middle blocks; None when caching was off (every step computed).
+    computed: list[list[int]] | None = None
 
 
 def validate(req: Request, bundle: Bundle) -> Request:
@@ -76,6 +89,14 @@ def validate(req: Request, bundle: Bundle) -> Request:
     if req.height is None or req.width is None:
         raise ConfigError("give both --height and --width, or neither")
     bundle.check_resolution(req.height, req.width)
+    req.cache = settings_from({k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k)
+                               for k in CACHE_FIELDS})
+    if req.cache.active and not bundle.step_cache:
+        raise ConfigError("step caching (cache_threshold / cache_steps) needs a bundle built with step_cache",
+                          "rebuild with --step-cache 1,0 (diffusers' FirstBlockCache) or e.g. 8,0 (cache-dit's)")
+    if req.cache.steps is not None and req.cache.steps[-1] >= req.steps:
+        raise ConfigError(f"cache_steps names step {req.cache.steps[-1]}, but the run has {req.steps} steps "
+                          f"(0..{req.steps - 1})")
     return req
 
 
@@ -94,7 +115,8 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     t = time.perf_counter()
     plans = [text_plan(bundle, r) for r in reqs]
     if len({batch_key(r, p) for r, p in zip(reqs, plans)}) != 1:
-        raise ConfigError("requests of one batch must share resolution, text bucket, steps and CFG mode")
+        raise ConfigError("requests of one batch must share resolution, text bucket, steps, CFG mode and step "
+                          "caching")
     first = reqs[0]
     cfg, bucket = plans[0].cfg, plans[0].bucket
     res = (first.height, first.width)
@@ -134,21 +156,29 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     step = bundle.graph("denoiser", res, bucket, cfg=batched, batch=n)
     scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
     guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
-    x = noise
-    for i in range(first.steps):
-        t = time.perf_counter()
-        x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], *guidance)[0]
-        times[f"step{i}"] = time.perf_counter() - t
+    x, computed = noise, None
+    if first.cache.active:
+        x, computed = cached_loop(bundle, first.cache, res, bucket, batched, n, x, text, text_mask, schedule,
+                                  first.steps, guidance, times)
+    else:
+        for i in range(first.steps):
+            t = time.perf_counter()
+            x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1],
+                     *guidance)[0]
+            times[f"step{i}"] = time.perf_counter() - t
 
     t = time.perf_counter()
     images = bundle.graph("vae_decoder", res, batch=n)(x.float())[0]
     times["decode"] = time.perf_counter() - t
-    return [Result(to_pil(images[i:i + 1]), r, dict(times), bucket) for i, r in enumerate(reqs)]
+    rows = 2 if batched else 1
+    return [Result(to_pil(images[i:i + 1]), r, dict(times), bucket,
+                   None if computed is None else [computed[i + k * n] for k in range(rows)])
+            for i, r in enumerate(reqs)]
 
 
 def batch_key(req: Request, plan: TextPlan) -> tuple:
     """Requests with equal keys run the same graphs with the same scalars, so they can share a batch."""
-    return (req.height, req.width, plan.bucket, req.steps, plan.cfg)
+    return (req.height, req.width, plan.bucket, req.steps, plan.cfg, req.cache)
 
 
 @dataclass

@@ -26,6 +26,15 @@ def png_bytes(result, bundle_id: str, weights_id: str | None = None) -> bytes:
         info.add_itxt(key, "" if value is None else str(value))
     if weights_id:
         info.add_itxt("weights", weights_id)
+    if result.computed is not None:   # step caching: its settings and the steps each CFG branch computed
+        from qic.host.cache_policy import computed_line
+        info.add_itxt("step_cache", f"{req.cache.describe()}; computed: {computed_line(result.computed, req.steps)}")
     buf = io.BytesIO()
     result.image.save(buf, format="PNG", pnginfo=info)
     return buf.getvalue()
+
+
+def step_cache_of(png: bytes) -> str | None:
+    """The step_cache text chunk of a PNG png_bytes wrote (None without one): what a server logs per image."""
+    from PIL import Image
+    return Image.open(io.BytesIO(png)).text.get("step_cache")

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from qic.errors import QicError
+from qic.host.cache_policy import FIELDS as CACHE_FIELDS
 from qic.runtime.generate import Request as GenRequest
+from qic.runtime.png import step_cache_of
 from qic.serve.queue import QueueFull, Scheduler, Unavailable
 from qic.serve.settings import Settings
 
@@ -40,6 +42,12 @@ class ImageRequest(BaseModel):
     steps: int | None = Field(None, ge=1, le=1000)
     guidance: float | None = Field(None, ge=0, allow_inf_nan=False)
     negative_prompt: str | None = " "
+    # Step caching (a bundle built with step_cache): as qic run's --cache-* flags; None: the bundle's default.
+    cache_threshold: float | None = Field(None, ge=0, allow_inf_nan=False)
+    cache_warmup: int | None = Field(None, ge=0)
+    cache_max_cached: int | None = Field(None, ge=-1)
+    cache_max_continuous: int | None = Field(None, ge=-1)
+    cache_steps: str | None = None
 
 
 class ApiError(Exception):
@@ -152,6 +160,9 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI
             log["error"] = f"{type(e).__name__}: {e}"
             raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type_="server_error") from None
         log["run_s"] = round(time.perf_counter() - min(started), 4)
+        cached = [step_cache_of(p) for p in pngs]
+        if any(cached):
+            log["step_cache"] = cached   # per image: its settings and the steps each CFG branch computed
         return {"created": int(time.time()), "output_format": "png", "size": body.size,
                 "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]}
 
@@ -212,7 +223,8 @@ def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
                             "(WIDTHxHEIGHT) or auto", "size")
     items = []
     for i in range(body.n):
-        req = GenRequest(body.prompt, body.negative_prompt, body.steps, body.guidance, body.seed + i, height, width)
+        req = GenRequest(body.prompt, body.negative_prompt, body.steps, body.guidance, body.seed + i, height, width,
+                         **{k: getattr(body, k) for k in CACHE_FIELDS})
         try:
             key = runner.plan(req)
         except QicError as e:

@@ -156,6 +156,9 @@ def execute_ranks(proto: bytes, per_rank: list[list[torch.Tensor]],
             torch_xla._XLAC._xla_set_default_device(str(devices[r]))
             xm.set_replication(devices[r], [str(d) for d in devices])
             outs = torch_xla._XLAC._xla_user_computation(f"qic::{name}", on_device[r], computation)
+            # All outputs in one execution: fetched one by one, each .cpu() would compile its own graph
+            # (the module plus one output) on each rank, and those copies' collectives never meet.
+            torch_xla._XLAC._xla_sync_multi(list(outs), [str(devices[r])], True)
             results[r] = [o.cpu() for o in outs]
         except BaseException as e:  # surfaced below, after every thread ended
             errors.append(e)

@@ -1,0 +1,318 @@
+"""Issue 21: step caching. The step split in head / middle / tail graphs (qic/models/step_cache.py), the
+decisions of diffusers' FirstBlockCache and cache-dit's DBCache (qic/host/cache_policy.py), through
+`qic build --step-cache`, `qic run --cache-*`, `qic serve` batches, TP and the neuron lowering.
+
+Bounds: a computed step through the split graphs is the whole step's arithmetic in the same order (the
+tail adds a zero residual, exact), so split vs whole is held to torch.equal eagerly; compiled graphs and
+diffusers differ from each other by fp32 reordering only, so the images are held to the suite's 2/255
+(mean <= 0.02) like every qic-vs-diffusers check. Decisions are compared exactly: the thresholds chosen
+sit well clear of every step's figure (the figures are printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import SHAPES_RES, SHORT_PROMPT, TINY_RES, image_diff, qic
+from training import shapes
+
+STEPS = 10
+PROMPT_SHAPES = shapes.prompt_of(*shapes.HELD_OUT[0])
+
+
+# ------------------------------------------------------------------------------------------ references
+
+def _pipe(root):
+    from diffusers import QwenImagePipeline
+    pipe = QwenImagePipeline.from_pretrained(str(root), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(tiny_ckpt):
+    return _pipe(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def shapes_pipe(shapes_ckpt):
+    return _pipe(shapes_ckpt)
+
+
+def _call(pipe, prompt, steps, height, width, seed=0):
+    return pipe(prompt, negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=steps, height=height,
+                width=width, generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+
+
+def fbc_reference(pipe, threshold, prompt, steps, height, width, seed=0):
+    """diffusers' FirstBlockCache: (image, {"cond": computed steps, "uncond": ...}), read from the head block
+    hook's per-context state after each transformer call (the pipeline calls cond, then uncond)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+    tr = pipe.transformer
+    tr.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    hook = tr.transformer_blocks[0]._diffusers_hook.get_hook(_FBC_LEADER_BLOCK_HOOK)
+    computed, calls = {"cond": [], "uncond": []}, {"cond": 0, "uncond": 0}
+
+    def after(module, inputs, output):
+        name = hook.state_manager.context.name
+        if hook.state_manager.get_state().should_compute:
+            computed[name].append(calls[name])
+        calls[name] += 1
+
+    handle = tr.register_forward_hook(after)
+    try:
+        image = _call(pipe, prompt, steps, height, width, seed)
+    finally:
+        handle.remove()
+        tr.disable_cache()
+    return image, computed
+
+
+def dbcache_reference(pipe, steps, prompt, height, width, seed=0, **config):
+    """cache-dit's DBCache: (image, computed steps per branch) from its own per-branch stats."""
+    import cache_dit
+    from cache_dit import DBCacheConfig
+    cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(**config))
+    try:
+        image = _call(pipe, prompt, steps, height, width, seed)
+        cached, cfg_cached = list(pipe.transformer._cached_steps), list(pipe.transformer._cfg_cached_steps)
+    finally:
+        cache_dit.disable_cache(pipe)   # it patches QwenImagePipeline.__call__ for the whole process until then
+    return image, {"cond": [i for i in range(steps) if i not in cached],
+                   "uncond": [i for i in range(steps) if i not in cfg_cached]}
+
+
+def _qic_run(bundle, tmp_path, name, *flags, prompt=SHORT_PROMPT, steps=STEPS, seed=0):
+    out = tmp_path / f"{name}.png"
+    proc = qic("run", bundle, "--prompt", prompt, "--steps", steps, "--seed", seed, "--output", out, "--verbose",
+               *flags)
+    image = Image.open(out)
+    image.load()
+    return image, proc.stdout
+
+
+def _computed(image) -> dict:
+    """The PNG's step_cache chunk -> {"cond": [...], "uncond": [...]}."""
+    from qic.host.cache_policy import parse_steps
+    text = image.text["step_cache"].split("computed: ", 1)[1]
+    out = {}
+    for part in text.split("), "):
+        name, rest = part.split(" ", 1)
+        out[name] = list(parse_steps(rest.split("(", 1)[1].rstrip(")")))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ bundles
+
+@pytest.fixture(scope="module")
+def fbc_bundle(bundle, workdir, cache_dir, tiny_ckpt):
+    """The tiny random checkpoint (3 blocks) with FirstBlockCache's split (1, 0): the text encoder, whole step
+    and decoder are the session bundle's (cache hits); four split graphs are new."""
+    out = workdir / "bundle-step-cache-fbc"
+    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--resolution",
+        "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--step-cache", "1,0")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the split
+
+def test_split_parts_are_the_whole_step():
+    """Eager, looped and unrolled: head -> mid -> tail with every row computed equals the whole-step graph
+    bit for bit; the cached path fed this step's own residuals equals it to fp32 rounding."""
+    from qic.builder.graphs import denoiser_graph, step_part_graph
+    from qic.checkpoint.presets import preset
+    from qic.models.common import load_weights
+    from qic.models.looped import LoopedMMDiT, stack_block_weights
+    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from tests.helpers import mmdit_bound, rel_l2, sensitize_
+    p = preset("tiny")["transformer"] | {"num_layers": 4}
+    config = MMDiTConfig.from_dict(p)
+    ref = sensitize_(QwenMMDiT(config)).eval()
+    looped = LoopedMMDiT(config).eval()
+    load_weights(looped, stack_block_weights(ref.state_dict(), "transformer_blocks", 4), "transformer")
+    g = torch.Generator().manual_seed(0)
+    lat = torch.randn(1, 15, config.in_channels, generator=g)
+    txt = torch.randn(2, 30, config.joint_attention_dim, generator=g)
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, 10:] = 0
+    scalars = torch.tensor(700.0), torch.tensor(0.7), torch.tensor(0.6), torch.tensor(4.0)
+    for model in (ref, looped):
+        with torch.no_grad():
+            want = denoiser_graph(model, config, 8, *TINY_RES, 64, "float32").module(lat, txt, mask, *scalars)
+            for first, last in ((1, 0), (2, 1), (1, 2)):
+                def part(name, **kw):
+                    return step_part_graph(model, config, 8, *TINY_RES, 64, "float32", name, first, last, **kw).module
+                img, tx, temb, res, diff = part("head")(lat, txt, mask, scalars[0], torch.ones(2, 15, config.inner_dim))
+                o_img, o_txt, r_img, r_txt = part("mid")(img, tx, temb, mask)
+                text = [mask, o_txt, torch.zeros_like(r_txt)] if last else []
+                got = part("tail")(lat, o_img, torch.zeros_like(r_img), temb, *scalars[1:], *text)
+                assert torch.equal(got, want), (type(model).__name__, first, last)
+                text = [mask, tx, r_txt] if last else []
+                cached = part("tail")(lat, img, r_img, temb, *scalars[1:], *text)
+                assert rel_l2(cached, want) <= mmdit_bound("tiny")
+                # One row alone through the one-row middle: the same residuals as in the batch of two.
+                one = part("mid", rows=1)(img[1:], tx[1:], temb[1:], mask[1:])
+                assert rel_l2(one[2], r_img[1:]) <= mmdit_bound("tiny")
+    # The check can fail: a split that skips a block (first + last over the wrong range) is far off.
+    with torch.no_grad():
+        head = step_part_graph(ref, config, 8, *TINY_RES, 64, "float32", "head", 1, 0).module
+        img, tx, temb, *_ = head(lat, txt, mask, scalars[0], torch.ones(2, 15, config.inner_dim))
+        tail = step_part_graph(ref, config, 8, *TINY_RES, 64, "float32", "tail", 1, 0).module
+        skipped = tail(lat, img, torch.zeros_like(img), temb, *scalars[1:])
+    assert rel_l2(skipped, want) > 100 * mmdit_bound("tiny")
+
+
+# ------------------------------------------------------------------------------------------ FirstBlockCache
+
+@pytest.mark.parametrize("threshold", [1.1, 1.2])
+def test_first_block_cache_matches_diffusers_on_random_weights(fbc_bundle, tiny_pipe, tmp_path, threshold):
+    ref, ref_computed = fbc_reference(tiny_pipe, threshold, SHORT_PROMPT, STEPS, *TINY_RES)
+    image, out = _qic_run(fbc_bundle, tmp_path, "fbc", "--cache-threshold", threshold)
+    got = _computed(image)
+    print(out.strip().splitlines()[-1], "| diffusers:", ref_computed)
+    assert got == ref_computed
+    assert 1 < len(got["cond"]) < STEPS or 1 < len(got["uncond"]) < STEPS   # some steps cached, not all
+    worst, mean = image_diff(image, ref)
+    print(f"threshold {threshold}: qic vs diffusers' cached image max {worst:.0f}/255, mean {mean / 255:.5f}")
+    assert worst <= 2 and mean / 255 <= 0.02
+    # The bound can fail: the uncached image is far from the cached one.
+    uncached, _ = _qic_run(fbc_bundle, tmp_path, "plain")
+    assert image_diff(uncached, ref)[0] > 2
+
+
+def test_threshold_zero_is_the_uncached_image_and_a_mask_replays_decisions(fbc_bundle, bundle, tmp_path):
+    """--cache-threshold 0 runs the whole-step graph: the image of a bundle without step caching, exactly.
+    A static mask of the steps a threshold run computed gives that run's image exactly (no figure read)."""
+    plain, _ = _qic_run(bundle, tmp_path, "bundle")
+    zero, _ = _qic_run(fbc_bundle, tmp_path, "zero", "--cache-threshold", 0)
+    assert np.array_equal(np.asarray(plain), np.asarray(zero))
+    assert "step_cache" not in zero.text
+    cached, _ = _qic_run(fbc_bundle, tmp_path, "thr", "--cache-threshold", 1.2)   # both branches alike here
+    steps = _computed(cached)
+    assert steps["cond"] == steps["uncond"]
+    mask = ",".join(map(str, steps["cond"]))
+    masked, _ = _qic_run(fbc_bundle, tmp_path, "mask", "--cache-steps", mask)
+    assert _computed(masked) == steps
+    assert np.array_equal(np.asarray(masked), np.asarray(cached))
+
+
+def test_first_block_cache_matches_diffusers_on_the_trained_model(shapes_ckpt, shapes_pipe):
+    """The trained model, eagerly through the bundle's own graph modules (qic.builder.eager: no compile; the
+    compiled split graphs are checked against diffusers above and against cache-dit below), 20 steps."""
+    from qic.builder.eager import EagerModel
+    from qic.runtime.generate import Request, generate
+    model = EagerModel(shapes_ckpt, [SHAPES_RES], [128], step_cache=(1, 0))
+    threshold, steps = 0.3, 20
+    ref, ref_computed = fbc_reference(shapes_pipe, threshold, PROMPT_SHAPES, steps, *SHAPES_RES)
+    result = generate(model, Request(PROMPT_SHAPES, steps=steps, guidance=4.0, seed=0, cache_threshold=threshold))
+    got = dict(zip(("cond", "uncond"), result.computed))
+    print("qic:", got, "diffusers:", ref_computed)
+    assert got == ref_computed and 1 < len(got["cond"]) < steps
+    worst, mean = image_diff(result.image, ref)
+    print(f"trained model, FirstBlockCache {threshold}: max {worst:.0f}/255, mean {mean / 255:.5f}")
+    assert worst <= 2 and mean / 255 <= 0.02
+    assert shapes.means(np.asarray(result.image), PROMPT_SHAPES), shapes.read_image(np.asarray(result.image))
+
+
+# ------------------------------------------------------------------------------------------ DBCache
+
+@pytest.mark.parametrize("limits", [{}, {"max_continuous": 2}], ids=["threshold", "max-continuous"])
+def test_dbcache_matches_cache_dit(shapes_bundle_batch2, shapes_pipe, tmp_path, limits):
+    """cache-dit's DBCache with Fn 2, Bn 1 on the trained 4-block model: the compiled split graphs."""
+    threshold, warmup, steps = 0.3, 2, 12
+    ref, ref_computed = dbcache_reference(
+        shapes_pipe, steps, PROMPT_SHAPES, *SHAPES_RES, Fn_compute_blocks=2, Bn_compute_blocks=1,
+        residual_diff_threshold=threshold, max_warmup_steps=warmup,
+        max_continuous_cached_steps=limits.get("max_continuous", -1))
+    flags = ["--cache-threshold", threshold, "--cache-warmup", warmup]
+    if limits:
+        flags += ["--cache-max-continuous", limits["max_continuous"]]
+    image, out = _qic_run(shapes_bundle_batch2, tmp_path, "dbc", *flags, prompt=PROMPT_SHAPES, steps=steps)
+    got = _computed(image)
+    print(out.strip().splitlines()[-1], "| cache-dit:", ref_computed)
+    assert got == ref_computed and 0 < len(got["cond"]) < steps
+    worst, mean = image_diff(image.convert("RGB"), ref)
+    print(f"DBCache F2B1 {limits}: qic vs cache-dit max {worst:.0f}/255, mean {mean / 255:.5f}")
+    assert worst <= 2 and mean / 255 <= 0.02
+
+
+def test_a_batch_of_two_through_qic_serve_decides_per_image(shapes_bundle_batch2, tmp_path):
+    """Two images of one request (a batch of 2) get the pixels and decisions each gets alone."""
+    import base64
+    import io
+
+    from openai import OpenAI
+
+    from qic.runtime.bundle import Bundle
+    from qic.runtime.generate import Request, generate
+    from tests.test_serve import ServeProcess
+    settings = {"cache_threshold": 0.3, "cache_warmup": 1}
+    log = tmp_path / "serve.log"
+    srv = ServeProcess(shapes_bundle_batch2, log, "--queue", 4, "--max-n", 2)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
+        resp = client.images.generate(prompt=PROMPT_SHAPES, n=2, size="128x128", response_format="b64_json",
+                                      extra_body={"seed": 4, "steps": 12, **settings})
+        served = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in resp.data]
+    finally:
+        srv.close()
+    bundle = Bundle(shapes_bundle_batch2)
+    for i, image in enumerate(served):
+        alone = generate(bundle, Request(PROMPT_SHAPES, steps=12, seed=4 + i, height=128, width=128, **settings))
+        assert _computed(image) == dict(zip(("cond", "uncond"), alone.computed))
+        worst, _ = image_diff(image.convert("RGB"), alone.image)
+        assert worst <= 1, worst   # batch-2 vs batch-1 graphs: reordered fp32 sums only
+    assert _computed(served[0]) != _computed(served[1]) or not np.array_equal(np.asarray(served[0]),
+                                                                             np.asarray(served[1]))
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")
+               and '"step_cache"' in line]
+    assert records and len(records[-1]["step_cache"]) == 2
+
+
+# ------------------------------------------------------------------------------------------ neuron, TP
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_split_graphs_lower_and_run_on_xla_cpu(tp):
+    from tests.test_neuron_xla import xla
+    proc = xla("-m", "benchmarks.xla_lowering", "step-cache", tp, env={"CPU_NUM_DEVICES": str(tp)})
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(result) == sorted(f"denoiser@48x80@L128@{p}" for p in ("head", "mid", "mid@R1", "tail"))
+    for name, r in result.items():
+        print(name, r)
+        assert r["host_transfers"] == 0 and r["while"] == 1
+        assert len(r["cos"]) == tp and min(r["cos"]) >= 0.99999
+        if tp > 1:
+            assert r["replica_groups"] == [json.dumps([list(range(tp))])]
+            # Per block four all-reduces (both streams' attention and MLP outputs) over the 4-block model's
+            # split 1 | 2 | 1 (the loop body holds them once), plus the head's timestep embedder: the decision's
+            # means add none (the image stream is whole on every rank).
+            assert r["all_reduce"] == (5 if name.endswith("@head") else 4)
+        else:
+            assert r["all_reduce"] == 0
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+def test_bad_step_cache_input_is_one_line(fbc_bundle, bundle, tiny_ckpt, tmp_path, cache_dir):
+    cases = [
+        (["run", bundle, "--prompt", "x", "--cache-threshold", "0.1"], "needs a bundle built with step_cache"),
+        (["run", fbc_bundle, "--prompt", "x", "--cache-threshold", "-1"], "cache_threshold must be"),
+        (["run", fbc_bundle, "--prompt", "x", "--steps", "4", "--cache-steps", "0-5"], "names step 5"),
+        (["run", fbc_bundle, "--prompt", "x", "--cache-steps", "a-b"], "not a step index"),
+        (["build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", tmp_path / "b", "--step-cache", "2,1"],
+         "leaves no middle block"),
+        (["build", "--model", tiny_ckpt, "--output", tmp_path / "b", "--step-cache", "0,1"], "Fn >= 1"),
+    ]
+    for args, expected in cases:
+        proc = qic(*args, check=False)
+        assert proc.returncode != 0
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln]
+        assert expected in proc.stderr and len(lines) <= 2, (args, proc.stderr)
+    assert os.path.exists(fbc_bundle)
