@@ -125,7 +125,7 @@ def step_flops(ckpt: Path, h: int, w: int) -> float:
     from qic.builder.eager import EagerModel
     m = EagerModel(ckpt, [(h, w)], [128])
     g = m.graph("denoiser", (h, w), 128)
-    args = [t.clone() for _, t in g.inputs]
+    args = [t.clone() for _, t in g.examples]
     with FlopCounterMode(display=False) as counter:
         g(*args)
     return float(counter.get_total_flops())

@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import ROOT
 
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
-BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality")   # take --dir and --cache-dir
+BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache")   # take --dir and --cache-dir
 PARALLEL = 2
 
 # name -> (seconds allowed, lines it must print: regular expressions, each matching a whole line of its own).
@@ -49,6 +49,8 @@ SMOKES = {
     "cpu_target": (300, [r"\| x86-64-v3 \| [\d.]+ \| [\d.]+ \| - \| (0|-) \| [\d.e+-]+ \| \d+ \|"]),
     "shapes_quality": (300, [r"\| (held-out|training) \| (128x128|all) \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
                              r"[\d.]+ \|"] * 4),
+    "step_cache": (420, [r"\| tiny \| 3 \| (uncached|threshold [\d.e+-]+|mask 3/3) \| [\d.]+ \| [\d.]+ \| .*"] * 5
+                   + [r"wrote .*/img/step-cache\.png"]),
     "peak": (180, [r"\| tiny \| (text_encoder@L72|denoiser@48x80@L72|vae_decoder@48x80) \| [\d.]+ \| .*"] * 3),
 }
 

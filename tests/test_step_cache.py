@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.step_cache import dbcache_reference, diffusers_pipe, fbc_reference
 from tests.conftest import SHAPES_RES, SHORT_PROMPT, TINY_RES, image_diff, qic
 from training import shapes
 
@@ -26,67 +27,16 @@ STEPS = 10
 PROMPT_SHAPES = shapes.prompt_of(*shapes.HELD_OUT[0])
 
 
-# ------------------------------------------------------------------------------------------ references
-
-def _pipe(root):
-    from diffusers import QwenImagePipeline
-    pipe = QwenImagePipeline.from_pretrained(str(root), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
+# ------------------------------------------------------------------------------------------ helpers
 
 @pytest.fixture(scope="module")
 def tiny_pipe(tiny_ckpt):
-    return _pipe(tiny_ckpt)
+    return diffusers_pipe(tiny_ckpt)
 
 
 @pytest.fixture(scope="module")
 def shapes_pipe(shapes_ckpt):
-    return _pipe(shapes_ckpt)
-
-
-def _call(pipe, prompt, steps, height, width, seed=0):
-    return pipe(prompt, negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=steps, height=height,
-                width=width, generator=torch.Generator("cpu").manual_seed(seed)).images[0]
-
-
-def fbc_reference(pipe, threshold, prompt, steps, height, width, seed=0):
-    """diffusers' FirstBlockCache: (image, {"cond": computed steps, "uncond": ...}), read from the head block
-    hook's per-context state after each transformer call (the pipeline calls cond, then uncond)."""
-    from diffusers.hooks import FirstBlockCacheConfig
-    from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
-    tr = pipe.transformer
-    tr.enable_cache(FirstBlockCacheConfig(threshold=threshold))
-    hook = tr.transformer_blocks[0]._diffusers_hook.get_hook(_FBC_LEADER_BLOCK_HOOK)
-    computed, calls = {"cond": [], "uncond": []}, {"cond": 0, "uncond": 0}
-
-    def after(module, inputs, output):
-        name = hook.state_manager.context.name
-        if hook.state_manager.get_state().should_compute:
-            computed[name].append(calls[name])
-        calls[name] += 1
-
-    handle = tr.register_forward_hook(after)
-    try:
-        image = _call(pipe, prompt, steps, height, width, seed)
-    finally:
-        handle.remove()
-        tr.disable_cache()
-    return image, computed
-
-
-def dbcache_reference(pipe, steps, prompt, height, width, seed=0, **config):
-    """cache-dit's DBCache: (image, computed steps per branch) from its own per-branch stats."""
-    import cache_dit
-    from cache_dit import DBCacheConfig
-    cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(**config))
-    try:
-        image = _call(pipe, prompt, steps, height, width, seed)
-        cached, cfg_cached = list(pipe.transformer._cached_steps), list(pipe.transformer._cfg_cached_steps)
-    finally:
-        cache_dit.disable_cache(pipe)   # it patches QwenImagePipeline.__call__ for the whole process until then
-    return image, {"cond": [i for i in range(steps) if i not in cached],
-                   "uncond": [i for i in range(steps) if i not in cfg_cached]}
+    return diffusers_pipe(shapes_ckpt)
 
 
 def _qic_run(bundle, tmp_path, name, *flags, prompt=SHORT_PROMPT, steps=STEPS, seed=0):
@@ -296,6 +246,40 @@ def test_split_graphs_lower_and_run_on_xla_cpu(tp):
             assert r["all_reduce"] == (5 if name.endswith("@head") else 4)
         else:
             assert r["all_reduce"] == 0
+
+
+def test_tp2_decides_and_draws_as_tp1(fbc_bundle, bundle_tp2, workdir, cache_dir, tiny_ckpt, tmp_path):
+    """The split graphs at TP 2 (two spawned ranks, gloo on loopback; rank 0's decisions broadcast): the TP 1
+    bundle's decisions, and its image within the bound (TP's split sums reorder fp32 only)."""
+    out = workdir / "bundle-step-cache-tp2"
+    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2", "--resolution",
+        "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--step-cache", "1,0")   # bundle_tp2's other graphs
+    tp2, _ = _qic_run(out, tmp_path, "tp2", "--cache-threshold", 1.1, "--tp", 2)
+    tp1, _ = _qic_run(fbc_bundle, tmp_path, "tp1", "--cache-threshold", 1.1)
+    assert _computed(tp2) == _computed(tp1)
+    worst, mean = image_diff(tp2, tp1)
+    print(f"TP 2 vs TP 1, threshold 1.1: max {worst:.0f}/255, mean {mean / 255:.5f}")
+    assert worst <= 2 and mean / 255 <= 0.02
+
+
+def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_inductor(fbc_bundle, workdir, tiny_ckpt, tmp_path):
+    """`qic build --backend neuron --step-cache 1,0`: every split graph lowered and checked on XLA:CPU at build
+    time (the manifest's figures), then run with --device xla-cpu: the inductor bundle's decisions and image."""
+    from tests.test_neuron_xla import XLA_CPU_REL_L2, xla_qic
+    out = workdir / "bundle-neuron-step-cache"
+    xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+            "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--step-cache", "1,0")
+    graphs = json.loads((out / "manifest.json").read_text())["graphs"]
+    parts = [g for g in graphs if "@head" in g["name"] or "@mid" in g["name"] or "@tail" in g["name"]]
+    assert len(parts) == 4 and all(0 <= g["checks"]["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2 for g in parts), parts
+    flags = ["--prompt", SHORT_PROMPT, "--steps", STEPS, "--cache-threshold", 1.2]
+    xla_qic("run", out, "--device", "xla-cpu", *flags, "--output", tmp_path / "xla.png")
+    qic("run", fbc_bundle, *flags, "--output", tmp_path / "inductor.png")
+    xla_image, ind_image = Image.open(tmp_path / "xla.png"), Image.open(tmp_path / "inductor.png")
+    assert _computed(xla_image) == _computed(ind_image)
+    worst, mean = image_diff(xla_image, ind_image)
+    print(f"xla-cpu vs inductor, threshold 1.2: max {worst:.0f}/255, mean {mean / 255:.5f}")
+    assert worst <= 2 and mean / 255 <= 0.02
 
 
 # ------------------------------------------------------------------------------------------ bad input

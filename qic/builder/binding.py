@@ -3,6 +3,7 @@ the shard's shapes when there are no weights (qic warm compiles from configs alo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -74,5 +75,8 @@ def compile_job(job, ctx: Context, backend, weights_path: Path | None = None, re
     """Compile (or find) one job's graph, its weights bound from a shard file, or stood in by shapes
     when `weights_path` is None (graphs take weights as inputs, so their values never matter)."""
     names = weight_names(ctx, job.component, weights_path)
-    return compile_graph(lambda: job.maker(bound_module(ctx, job.component, weights_path)),
-                         backend, names, ctx.cache, job.spec_key, remote=remote, sign=sign)
+    art = compile_graph(lambda: job.maker(bound_module(ctx, job.component, weights_path)),
+                        backend, names, ctx.cache, job.spec_key, remote=remote, sign=sign)
+    # Named as this job: two graph names can share one entry when their graphs are identical (a one-row
+    # middle graph is the same at every batch size), and the entry remembers only the first name it had.
+    return dataclasses.replace(art, meta={**art.meta, "graph": job.name})

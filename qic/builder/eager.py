@@ -22,6 +22,8 @@ from qic.tokenizer import load_tokenizer
 class _Eager:
     def __init__(self, gdef):
         self.module = gdef.module.eval()
+        self.examples = gdef.inputs   # (name, example tensor)
+        # As a bundle's graph describes its inputs (qic.runtime.bundle.Graph), for the runtime's loops.
         self.inputs = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in gdef.inputs]
         self._dtypes = [t.dtype for _, t in gdef.inputs]
 

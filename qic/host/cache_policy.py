@@ -44,8 +44,11 @@ class CacheSettings:
                 f"max continuous {self.max_continuous}")
 
 
+MAX_STEP = 100_000   # a mask names steps of one run; more than this is a typo, not a schedule
+
+
 def parse_steps(value, source: str = "--cache-steps") -> tuple[int, ...]:
-    """'0-7,9,12' (or a list of ints) -> the sorted step indices; a step must be an integer >= 0."""
+    """'0-7,9,12' (or a list of ints) -> the sorted step indices, each an integer in 0..MAX_STEP."""
     if isinstance(value, (list, tuple)):
         items = list(value)
     elif isinstance(value, str):
@@ -54,20 +57,19 @@ def parse_steps(value, source: str = "--cache-steps") -> tuple[int, ...]:
         raise ConfigError(f"{source} must be steps like '0-7,9,12' or a list of step indices, got {value!r}")
     out = set()
     for item in items:
-        try:
-            if isinstance(item, str) and "-" in item:
-                a, b = (int(x) for x in item.split("-", 1))
-                if a > b:
-                    raise ValueError
-                out.update(range(a, b + 1))
-            elif isinstance(item, bool):
-                raise ValueError
-            else:
-                out.add(int(item))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source}: {item!r} is not a step index or range (e.g. 0-7,9,12)") from None
-    if not out or min(out) < 0:
-        raise ConfigError(f"{source} must name at least one step, each >= 0, got {value!r}")
+        if isinstance(item, str):
+            a, dash, b = item.partition("-")
+            bounds = (a.strip(), b.strip()) if dash else (a.strip(), a.strip())
+            ok = all(x.isdigit() and x.isascii() for x in bounds)
+            low, high = (int(x) for x in bounds) if ok else (0, -1)
+        else:
+            ok = isinstance(item, int) and not isinstance(item, bool)
+            low = high = item if ok else 0
+        if not ok or not 0 <= low <= high <= MAX_STEP:
+            raise ConfigError(f"{source}: {item!r} is not a step index or range in 0..{MAX_STEP} (e.g. 0-7,9,12)")
+        out.update(range(low, high + 1))
+    if not out:
+        raise ConfigError(f"{source} must name at least one step, got {value!r}")
     return tuple(sorted(out))
 
 
@@ -107,11 +109,13 @@ def settings_from(values: dict, source: str = "request") -> CacheSettings:
 @dataclass
 class RowState:
     computed: list[int] = field(default_factory=list)   # steps whose middle blocks ran
+    figures: list[float | None] = field(default_factory=list)   # each step's figure (None: not read)
     cached_total: int = 0
     cached_run: int = 0
 
     def decide(self, s: CacheSettings, step: int, diff: float | None) -> bool:
         """True: compute this step's middle blocks."""
+        self.figures.append(diff if self.computed else None)   # no figure before a first computed step
         if s.steps is not None:
             compute = step in s.steps or not self.computed   # nothing cached before the first compute
         elif not self.computed or step < s.warmup:

@@ -54,6 +54,7 @@ class Result:
     # Step caching: per text row (cond rows of the batch's images, then uncond rows) the steps that computed
     # their middle blocks; None when caching was off (every step computed).
     computed: list[list[int]] | None = None
+    figures: list[list] | None = None             # per row, each step's figure (None where none was read)
 
 
 def validate(req: Request, bundle: Bundle) -> Request:
@@ -115,8 +116,8 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     t = time.perf_counter()
     plans = [text_plan(bundle, r) for r in reqs]
     if len({batch_key(r, p) for r, p in zip(reqs, plans)}) != 1:
-        raise ConfigError("requests of one batch must share resolution, text bucket, steps, CFG mode and step "
-                          "caching")
+        raise ConfigError("requests of one batch must share resolution, text bucket, steps and CFG mode, and "
+                          "step caching settings")
     first = reqs[0]
     cfg, bucket = plans[0].cfg, plans[0].bucket
     res = (first.height, first.width)
@@ -156,9 +157,9 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     step = bundle.graph("denoiser", res, bucket, cfg=batched, batch=n)
     scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
     guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
-    x, computed = noise, None
+    x, rows_state = noise, None
     if first.cache.active:
-        x, computed = cached_loop(bundle, first.cache, res, bucket, batched, n, x, text, text_mask, schedule,
+        x, rows_state = cached_loop(bundle, first.cache, res, bucket, batched, n, x, text, text_mask, schedule,
                                   first.steps, guidance, times)
     else:
         for i in range(first.steps):
@@ -171,8 +172,10 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     images = bundle.graph("vae_decoder", res, batch=n)(x.float())[0]
     times["decode"] = time.perf_counter() - t
     rows = 2 if batched else 1
-    return [Result(to_pil(images[i:i + 1]), r, dict(times), bucket,
-                   None if computed is None else [computed[i + k * n] for k in range(rows)])
+
+    def of_image(i: int, what: str):   # image i's rows: its cond row, then (CFG graph) its uncond row
+        return None if rows_state is None else [getattr(rows_state[i + k * n], what) for k in range(rows)]
+    return [Result(to_pil(images[i:i + 1]), r, dict(times), bucket, of_image(i, "computed"), of_image(i, "figures"))
             for i, r in enumerate(reqs)]
 
 

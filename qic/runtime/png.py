@@ -35,6 +35,9 @@ def png_bytes(result, bundle_id: str, weights_id: str | None = None) -> bytes:
 
 
 def step_cache_of(png: bytes) -> str | None:
-    """The step_cache text chunk of a PNG png_bytes wrote (None without one): what a server logs per image."""
+    """The step_cache text chunk of a PNG png_bytes wrote (None without one, or for bytes that are no PNG):
+    what a server logs per image. Reads the chunks before the pixels only."""
     from PIL import Image
+    if not png.startswith(b"\x89PNG\r\n\x1a\n"):
+        return None
     return Image.open(io.BytesIO(png)).text.get("step_cache")

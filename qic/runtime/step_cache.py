@@ -11,9 +11,10 @@ from qic.host.cache_policy import CacheSettings, RowState
 
 
 def cached_loop(bundle, settings: CacheSettings, res, bucket, cfg: bool, batch: int, x, text, text_mask,
-                schedule, steps: int, guidance: list, times: dict) -> tuple[torch.Tensor, list[list[int]]]:
-    """The denoise loop over the split graphs; returns (final latents, per row the steps it computed).
-    Rows: the text rows (with CFG: the images' cond rows, then their uncond rows)."""
+                schedule, steps: int, guidance: list, times: dict) -> tuple[torch.Tensor, list[RowState]]:
+    """The denoise loop over the split graphs; returns (final latents, per row its state: the steps it
+    computed and the figure of every step). Rows: the text rows (with CFG: the images' cond rows, then their
+    uncond rows)."""
     head = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part="head")
     mid = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part="mid")
     tail = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part="tail")
@@ -28,13 +29,12 @@ def cached_loop(bundle, settings: CacheSettings, res, bucket, cfg: bool, batch: 
                                               residual_like(prev, rows, x, head))
         figures = [None] * rows if settings.steps is not None else diff.tolist()  # the one device-to-host read
         compute = [state[r].decide(settings, i, figures[r]) for r in range(rows)]
-        if bundle.world > 1 and settings.steps is None:   # a static mask is the same on every rank
+        if getattr(bundle, "world", 1) > 1 and settings.steps is None:   # a static mask is the same on every rank
             # Every rank computes the same figures from the same (all-reduced) activations; rank 0's decisions
             # are sent anyway, because ranks that decided differently would wait in different collectives.
-            import torch.distributed as dist
-            sent = [compute]
-            dist.broadcast_object_list(sent, src=0)
-            compute = sent[0]
+            sent = torch.tensor(compute, dtype=torch.uint8)
+            torch.distributed.broadcast(sent, src=0, group=_decision_group())
+            compute = [bool(c) for c in sent.tolist()]
         if all(compute):
             out_img, out_txt, res_img, res_txt = mid(img, txt, temb, text_mask)
         else:
@@ -60,7 +60,7 @@ def cached_loop(bundle, settings: CacheSettings, res, bucket, cfg: bool, batch: 
                                                                             stored_txt)]
         x = tail(x, img_base, img_res, temb, schedule.sigmas[i], schedule.sigmas[i + 1], *guidance, *extra)[0]
         times[f"step{i}"] = time.perf_counter() - t0
-    return x, [s.computed for s in state]
+    return x, state
 
 
 def residual_like(prev, rows: int, x: torch.Tensor, head) -> torch.Tensor:
@@ -70,3 +70,15 @@ def residual_like(prev, rows: int, x: torch.Tensor, head) -> torch.Tensor:
         return prev
     spec = next(s for s in head.inputs if s["name"] == "prev_residual")
     return torch.ones(rows, *spec["shape"][1:])
+
+
+_GROUP = []
+
+
+def _decision_group():
+    """A process group of its own for the decisions: on the graphs' group, a broadcast between two graph calls
+    left the next graph's collectives waiting (seen with gloo, torch 2.13). Made on first use, which every
+    rank reaches at the same point (the first cached step)."""
+    if not _GROUP:
+        _GROUP.append(torch.distributed.new_group(backend="gloo"))
+    return _GROUP[0]

@@ -1,0 +1,259 @@
+"""Step caching: per-image time, steps computed and PSNR against the uncached image, qic and diffusers side by side.
+
+    python -m benchmarks.step_cache [--models shapes,realwidth] [--steps 20,50] [--dir artifacts/step-cache]
+    python -m benchmarks.step_cache --plots-only     # redraw docs/img/step-cache.png from DIR/results.json
+    python -m benchmarks.step_cache --smoke          # the embedded tiny model, 48x80, 3 steps, into a temp dir
+
+In one run, per model (the trained embedded:shapes at 128x128; the real-width random checkpoint of
+benchmarks.realwidth at --realwidth-depth blocks and 128x128; --smoke: the tiny random one):
+1. `qic build --step-cache 1,0` (FirstBlockCache's split) of the checkpoint;
+2. per step count: the uncached image (qic: the whole-step graph; diffusers: no cache), a probe run whose
+   per-step figures give three thresholds (their 25th, 50th and 75th percentiles, so each caches some steps
+   but not all), then qic `--cache-threshold` against diffusers' FirstBlockCache at each, and one static mask
+   (first 4 steps, every other one, the last 2) as qic `--cache-steps` against cache-dit's DBCache (Fn 1, Bn 0)
+   with the same steps_computation_mask and the static policy;
+3. each image's time (qic: generate() in process; diffusers: the pipeline call; the same prompt, seed, true
+   CFG 4 and negative prompt " ", fp32, this process's threads), the steps each branch computed and the PSNR
+   against its own side's uncached image;
+4. a table and docs/img/step-cache.png (time against PSNR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import parse_args, smoke_dir
+
+REPO = Path(__file__).resolve().parents[1]
+GUIDANCE, SEED = 4.0, 0
+PROMPTS = {"shapes": "a yellow square on a blue background", "realwidth": "a red bicycle leaning against a blue wall",
+           "tiny": "a red bicycle"}
+
+
+# ------------------------------------------------------------------------------------------ the references
+
+def diffusers_pipe(root):
+    from diffusers import QwenImagePipeline
+    pipe = QwenImagePipeline.from_pretrained(str(root), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pipe_call(pipe, prompt, steps, height, width, seed=SEED):
+    return pipe(prompt, negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=steps, height=height,
+                width=width, generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+
+
+def fbc_reference(pipe, threshold, prompt, steps, height, width, seed=SEED):
+    """diffusers' FirstBlockCache: (image, {"cond": computed steps, "uncond": ...}), read from the head block
+    hook's per-context state after each transformer call (the pipeline calls cond, then uncond)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+    tr = pipe.transformer
+    tr.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    hook = tr.transformer_blocks[0]._diffusers_hook.get_hook(_FBC_LEADER_BLOCK_HOOK)
+    computed, calls = {"cond": [], "uncond": []}, {"cond": 0, "uncond": 0}
+
+    def after(module, inputs, output):
+        name = hook.state_manager.context.name
+        if hook.state_manager.get_state().should_compute:
+            computed[name].append(calls[name])
+        calls[name] += 1
+
+    handle = tr.register_forward_hook(after)
+    try:
+        image = pipe_call(pipe, prompt, steps, height, width, seed)
+    finally:
+        handle.remove()
+        tr.disable_cache()
+    return image, computed
+
+
+def dbcache_reference(pipe, steps, prompt, height, width, seed=SEED, **config):
+    """cache-dit's DBCache: (image, computed steps per branch) from its own per-branch stats."""
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")   # read when cache_dit is first imported
+    import cache_dit
+    from cache_dit import DBCacheConfig
+    cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(**config))
+    try:
+        image = pipe_call(pipe, prompt, steps, height, width, seed)
+        cached, cfg_cached = list(pipe.transformer._cached_steps), list(pipe.transformer._cfg_cached_steps)
+    finally:
+        cache_dit.disable_cache(pipe)   # it patches QwenImagePipeline.__call__ for the whole process until then
+    return image, {"cond": [i for i in range(steps) if i not in cached],
+                   "uncond": [i for i in range(steps) if i not in cfg_cached]}
+
+
+# ------------------------------------------------------------------------------------------ measures
+
+def psnr(a, b) -> float:
+    """dB over 8-bit pixels; identical images: inf."""
+    mse = float(np.mean((np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
+
+
+def static_mask(steps: int) -> list[int]:
+    """The first 4 steps, every other one after, and the last 2: about 60% of the steps computed."""
+    return sorted(set(range(min(4, steps))) | set(range(4, steps, 2)) | set(range(max(0, steps - 2), steps)))
+
+
+def thresholds_from(figures: list[list], count: int = 3) -> list[float]:
+    """Quartiles of the probe's per-step figures (every row, every step that had one)."""
+    values = sorted(f for row in figures for f in row if f is not None)
+    return [round(float(np.quantile(values, q)), 4) for q in np.linspace(0, 1, count + 2)[1:-1]]
+
+
+def checkpoint(model: str, work: Path, depth: int) -> tuple[Path, tuple[int, int]]:
+    from qic.checkpoint.embedded import write_checkpoint
+    if model == "realwidth":
+        from benchmarks.realwidth import write_realwidth_checkpoint
+        return write_realwidth_checkpoint(work / f"ckpt-realwidth-{depth}", depth), (128, 128)
+    if model == "tiny":
+        return write_checkpoint(work / "ckpt-tiny", "tiny"), (48, 80)
+    return write_checkpoint(work / "ckpt-shapes", "shapes"), (128, 128)
+
+
+def build(ckpt: Path, res, bucket: int, out: Path, cache_dir: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "qic.cli", "build", "--model", str(ckpt), "--resolution",
+                    "{}x{}".format(*res), "--text-buckets", str(bucket), "--step-cache", "1,0", "--cache-dir",
+                    str(cache_dir), "--output", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return out
+
+
+def bench_model(model: str, args, work: Path) -> list[dict]:
+    from qic.runtime.bundle import Bundle
+    from qic.runtime.generate import Request, generate
+    ckpt, res = checkpoint(model, work, args.realwidth_depth)
+    # The tiny model's bucket is the test suite's step-caching bundle's (tests/test_step_cache.py): cache hits.
+    bucket = 72 if model == "tiny" else 128
+    bundle = Bundle(build(ckpt, res, bucket, work / f"bundle-{model}", Path(args.cache_dir)))
+    pipe = diffusers_pipe(ckpt)
+    prompt, rows = PROMPTS[model], []
+
+    def qic_image(steps, **cache):
+        t = time.perf_counter()
+        r = generate(bundle, Request(prompt, steps=steps, guidance=GUIDANCE, seed=SEED, height=res[0], width=res[1],
+                                     **cache))
+        return r, time.perf_counter() - t
+
+    def timed(fn, *a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        return out, time.perf_counter() - t
+
+    # Warm-up, untimed: each graph's first call and the pipeline's first call pay one-off costs.
+    qic_image(2)
+    qic_image(2, cache_threshold=1e-9)
+    pipe_call(pipe, prompt, 2, *res)
+    for steps in args.steps:
+        base, base_s = qic_image(steps)
+        ref, ref_s = timed(pipe_call, pipe, prompt, steps, *res)
+        rows.append({"model": model, "steps": steps, "setting": "uncached", "qic_s": base_s, "diffusers_s": ref_s,
+                     "qic_computed": [steps, steps], "diffusers_computed": [steps, steps],
+                     "qic_psnr": math.inf, "diffusers_psnr": math.inf, "qic_vs_diffusers_psnr": psnr(base.image, ref)})
+        probe, _ = qic_image(steps, cache_threshold=1e-9)   # figures only: nothing is that close
+        for thr in thresholds_from(probe.figures):
+            (img, computed), d_s = timed(fbc_reference, pipe, thr, prompt, steps, *res)
+            r, q_s = qic_image(steps, cache_threshold=thr)
+            rows.append(side_by_side(model, steps, f"threshold {thr:g}", r, q_s, img, computed, d_s, base, ref))
+        mask = static_mask(steps)
+        lead = next(i for i in range(steps + 1) if i == steps or i not in mask)
+        (img, computed), d_s = timed(dbcache_reference, pipe, steps, prompt, *res, Fn_compute_blocks=1,
+                                     Bn_compute_blocks=0, max_warmup_steps=lead, residual_diff_threshold=0.08,
+                                     steps_computation_mask=[int(i in mask) for i in range(steps)],
+                                     steps_computation_policy="static")
+        r, q_s = qic_image(steps, cache_steps=",".join(map(str, mask)))
+        rows.append(side_by_side(model, steps, f"mask {len(mask)}/{steps}", r, q_s, img, computed, d_s, base, ref))
+    return rows
+
+
+def side_by_side(model, steps, setting, result, qic_s, image, computed, diffusers_s, base, ref) -> dict:
+    """One row: qic's cached run (a Result) and the reference's (image, computed steps per branch)."""
+    return {"model": model, "steps": steps, "setting": setting, "qic_s": qic_s, "diffusers_s": diffusers_s,
+            "qic_computed": [len(c) for c in result.computed],
+            "diffusers_computed": [len(computed["cond"]), len(computed["uncond"])],
+            "same_steps": result.computed == [computed["cond"], computed["uncond"]],
+            "qic_psnr": psnr(result.image, base.image), "diffusers_psnr": psnr(image, ref),
+            "qic_vs_diffusers_psnr": psnr(result.image, image)}
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def _db(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | steps | setting | qic s/image | diffusers s/image | qic / diffusers | steps computed qic "
+           "(cond, uncond) | diffusers | same steps | PSNR qic (dB) | PSNR diffusers (dB) | qic vs diffusers (dB) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['steps']} | {r['setting']} | {r['qic_s']:.2f} | {r['diffusers_s']:.2f} | "
+                   f"{r['qic_s'] / r['diffusers_s']:.2f}x | {r['qic_computed'][0]}, {r['qic_computed'][1]} | "
+                   f"{r['diffusers_computed'][0]}, {r['diffusers_computed'][1]} | {r.get('same_steps', '-')} | "
+                   f"{_db(r['qic_psnr'])} | {_db(r['diffusers_psnr'])} | {_db(r['qic_vs_diffusers_psnr'])} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["model"], r["steps"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (model, steps) in zip(axes[0], panels):
+        sel = [r for r in rows if (r["model"], r["steps"]) == (model, steps)]
+        cap = max([r[k] for r in sel for k in ("qic_psnr", "diffusers_psnr") if not math.isinf(r[k])] + [30]) + 5
+        for side, marker in (("qic", "o"), ("diffusers", "s")):
+            xs = [r[f"{side}_s"] for r in sel]
+            ys = [min(r[f"{side}_psnr"], cap) for r in sel]
+            ax.scatter(xs, ys, marker=marker, label=side)
+            for r, x, y in zip(sel, xs, ys):
+                ax.annotate(r["setting"].replace("threshold ", "t="), (x, y), fontsize=6)
+        ax.set_title(f"{model}, {steps} steps", fontsize=9)
+        ax.set_xlabel("seconds per image")
+        ax.set_ylabel(f"PSNR vs uncached (dB; uncached drawn at {cap:.0f})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="shapes,realwidth")
+    ap.add_argument("--steps", default="20,50")
+    ap.add_argument("--realwidth-depth", type=int, default=2)
+    ap.add_argument("--dir", default="artifacts/step-cache")
+    ap.add_argument("--cache-dir", default="artifacts/cache")
+    ap.add_argument("--img", default=str(REPO / "docs" / "img" / "step-cache.png"))
+    ap.add_argument("--plots-only", action="store_true")
+    args = parse_args(ap, argv, {"models": "tiny", "steps": "3", "dir": None, "img": None})
+    work = Path(args.dir) if args.dir else smoke_dir("step_cache")
+    img = Path(args.img) if args.img else work / "img" / "step-cache.png"
+    results = work / "results.json"
+    if args.plots_only:
+        rows = json.loads(results.read_text())
+    else:
+        args.steps = [int(s) for s in args.steps.split(",")]
+        work.mkdir(parents=True, exist_ok=True)
+        rows = [r for m in args.models.split(",") for r in bench_model(m, args, work)]
+        results.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    print(f"wrote {plot(rows, img)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
