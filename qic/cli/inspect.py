@@ -25,6 +25,10 @@ def run_inspect(bundle: str, full: bool = False) -> None:
               f"back end {manifest['backend']['backend']} on {manifest['device']}, tp {manifest['tp']}")
     resolutions = ", ".join("{}x{}".format(*r) for r in manifest["resolutions"])
     out.print(f"dtypes {manifest['dtypes']}; resolutions {resolutions}; text buckets {manifest['text_buckets']}")
+    if manifest.get("step_cache"):
+        sc = manifest["step_cache"]
+        out.print(f"step caching: split graphs, first {sc['first']} and last {sc['last']} blocks always computed "
+                  "(qic run --cache-threshold / --cache-steps)")
     for lo in manifest.get("loras", []):
         out.print(f"LoRA merged: {lo['file']} (scale {lo['scale']}, sha256 {lo['sha256'][:12]})")
     if manifest.get("scheduler_overrides"):
