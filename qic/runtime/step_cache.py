@@ -26,7 +26,7 @@ def cached_loop(bundle, settings: CacheSettings, res, bucket, cfg: bool, batch: 
     for i in range(steps):
         t0 = time.perf_counter()
         img, txt, temb, residual, diff = head(x, text, text_mask, schedule.timesteps[i],
-                                              residual_like(prev, rows, x, head))
+                                              residual_like(prev, rows, head))
         figures = [None] * rows if settings.steps is not None else diff.tolist()  # the one device-to-host read
         compute = [state[r].decide(settings, i, figures[r]) for r in range(rows)]
         if getattr(bundle, "world", 1) > 1 and settings.steps is None:   # a static mask is the same on every rank
@@ -47,11 +47,8 @@ def cached_loop(bundle, settings: CacheSettings, res, bucket, cfg: bool, batch: 
         # Stored per row at its computed steps only; the tail gets (mid output, 0) for a computed row, which is
         # exact, and (head output, stored residual) for a cached one.
         mask = torch.tensor(compute).reshape(rows, 1, 1)
-        if all(compute):
-            stored_img, stored_txt, prev = res_img, res_txt, residual
-        else:
-            stored_img, stored_txt = res_img, res_txt
-            prev = residual if prev is None else torch.where(mask, residual, prev)
+        stored_img, stored_txt = res_img, res_txt
+        prev = residual if prev is None else torch.where(mask, residual, prev)
         img_base = torch.where(mask, out_img, img)
         img_res = torch.where(mask, torch.zeros_like(stored_img), stored_img)
         extra = []
@@ -63,7 +60,7 @@ def cached_loop(bundle, settings: CacheSettings, res, bucket, cfg: bool, batch: 
     return x, state
 
 
-def residual_like(prev, rows: int, x: torch.Tensor, head) -> torch.Tensor:
+def residual_like(prev, rows: int, head) -> torch.Tensor:
     """The head's prev_residual input: the stored residuals, or ones before any step computed (the figure
     it yields is then ignored: a row's first step always computes)."""
     if prev is not None:
