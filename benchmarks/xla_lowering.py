@@ -23,9 +23,10 @@ import torch
 from qic.backends.neuron import hlo_proto
 from qic.backends.neuron import lower as xl
 from qic.builder.components import COMPONENTS
-from qic.builder.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.builder.graphs import denoiser_graph, make_graph, text_encoder_graph, vae_decoder_graph
 from qic.checkpoint import presets
 from qic.models.looped import stack_block_weights
+from qic.parallel.mesh import Layout
 
 REAL_CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen-image-configs"
 HOST_TRANSFER_OPS = ("send", "recv", "send-done", "recv-done", "infeed", "outfeed")
@@ -71,7 +72,7 @@ def tp_check(tp: int) -> dict:
     from qic.parallel.tp import apply_tp, shard_state_dict
     # The tiny text encoder has 2 key/value heads (TP may not exceed them): give it as many as ranks.
     cfgs = _configs(text_encoder={"num_key_value_heads": max(tp, 2)})
-    fake_world(tp)
+    fake_world(Layout(tp))
     out = {}
     for component, prefix in (("denoiser", "transformer_blocks"), ("text_encoder", "model.layers")):
         comp, cfg = COMPONENTS[component], cfgs[component]
@@ -112,6 +113,57 @@ def tp_check(tp: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ layouts
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "all-to-all")
+
+
+def layout_check(tp: int, ulysses: int, cfg: int) -> dict:
+    """The step graph under a mesh layout (qic/parallel/mesh.py) at 48x80 (15 image tokens) and text bucket 129
+    (95 tokens): both odd, so Ulysses pads. Unrolled blocks (no While, so the HLO's collectives are all in
+    the entry and body computations once each). Lowered, executed on world XLA:CPU devices, each rank with its
+    TP shard and its mesh coordinates as inputs, compared with the TP=1 eager step; the collectives' replica
+    groups and the bytes they move, as counted in the HLO."""
+    from qic.builder.binding import fake_world
+    from qic.builder.graphs import rank_inputs
+    from qic.parallel.tp import shard_state_dict
+    layout = Layout(tp, ulysses, cfg)
+    cfgs = _configs()
+    fake_world(layout)
+    comp, cfg_ = COMPONENTS["denoiser"], cfgs["denoiser"]
+    full = _random(comp.make_module(cfg_, tp_size=1, looped=False))
+    g1 = _graph("denoiser", full, cfgs, bucket=129)
+    inputs = _inputs(g1)
+    with torch.no_grad():
+        want = g1.module(*[t for _, t in inputs])
+    mod = comp.make_module(cfg_, tp_size=tp, looped=False)
+    g = make_graph("denoiser", mod, cfgs, {"resolution": [48, 80], "bucket": 129}, "float32", layout)
+    names = dict(g.module.named_parameters())
+    names.update(g.module.named_buffers())
+    low = xl.lower(g.module, g.inputs, names, groups=g.groups)
+    owned = dict(g1.module.named_buffers())
+    per_rank = []
+    for r in range(layout.world):
+        c = layout.coords(r)
+        shard = shard_state_dict("denoiser", full.state_dict(), c["tp"], tp)
+        feed = inputs + [(n, torch.tensor([c[RANK_AXES[n]]])) for n in rank_inputs(g.module.step)]
+        per_rank.append(low.values(feed, {**owned, **{g.weight_prefix + k: v for k, v in shard.items()}}))
+    outs = xl.execute_ranks(low.proto, per_rank)
+    ops = hlo_proto.opcodes(low.proto)
+    w = want.flatten().double()
+    return {
+        "layout": layout.as_dict(), "ops": {op: ops[op] for op in COLLECTIVE_OPS},
+        "replica_groups": {op: sorted({json.dumps(x) for x in hlo_proto.replica_groups(low.proto, op)})
+                           for op in COLLECTIVE_OPS},
+        "expected_groups": {a: json.dumps(layout.groups(a)) for a in ("tp", "sp", "cfg")},
+        "collective_bytes": hlo_proto.collective_bytes(low.proto, COLLECTIVE_OPS),
+        "host_transfers": sum(ops[o] for o in HOST_TRANSFER_OPS),
+        "cos": [torch.nn.functional.cosine_similarity(o[0].flatten().double(), w, 0).item() for o in outs],
+        "max_abs": [(o[0].flatten().double() - w).abs().max().item() for o in outs],
+    }
+
+
+RANK_AXES = {"cfg_rank": "cfg", "sp_rank": "sp"}
 PARTS = (("head", None), ("mid", None), ("mid", 1), ("tail", None))
 
 
@@ -123,7 +175,7 @@ def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
     from qic.builder.graphs import step_part_graph
     from qic.parallel.tp import apply_tp, shard_state_dict
     cfgs = _configs(num_layers=4)
-    fake_world(tp)
+    fake_world(Layout(tp))
     comp, cfg = COMPONENTS["denoiser"], cfgs["denoiser"]
     full = _random(comp.make_module(cfg, tp_size=1, looped=False))
     mod = comp.make_module(cfg, tp_size=tp, looped=True)
@@ -334,6 +386,8 @@ def main(argv: list[str]) -> None:
         result = tp_check(int(argv[1]))
     elif what == "step-cache":
         result = step_cache_check(int(argv[1]))
+    elif what == "layout":
+        result = layout_check(*(int(v) for v in argv[1:4]))
     elif what == "sensitivity":
         result = sensitivity()
     elif what == "depth-sizes":

@@ -27,7 +27,8 @@ DTYPES = tuple(TORCH_DTYPES)
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
-        "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target", "step_cache")
+        "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target", "step_cache",
+        "ulysses", "cfg_parallel")
 # Run defaults a bundle records: qic run's and qic serve's when a request leaves them out.
 DEFAULT_KEYS = ("steps", "guidance", "cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous",
                 "cache_steps")
@@ -81,6 +82,15 @@ class BuildSpec:
     # Step caching: (first, last) blocks always computed; the split step graphs are built beside the whole-step
     # ones (qic/models/step_cache.py). None: not built. (1, 0) is diffusers' FirstBlockCache, (8, 0) cache-dit's.
     step_cache: tuple[int, int] | None = None
+    # More ranks per image (qic/parallel/mesh.py): Ulysses sequence parallelism over `ulysses` ranks, and
+    # CFG-parallel (the cond and uncond rows on two rank groups); world = tp x ulysses x (2 if cfg_parallel).
+    ulysses: int = 1
+    cfg_parallel: bool = False
+
+    @property
+    def layout(self):
+        from qic.parallel.mesh import Layout
+        return Layout(self.tp, self.ulysses, 2 if self.cfg_parallel else 1)
 
     def dtype_of(self, component: str) -> str:
         return dict(self.dtype)[component]
@@ -204,9 +214,28 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         batch_sizes=_batch_sizes(raw.get("batch_sizes", [1]), buckets, at("batch_sizes")),
         cpu_target=_cpu_target(raw.get("cpu_target"), backend, at("cpu_target")),
         step_cache=_step_cache(raw.get("step_cache"), components, at("step_cache")),
+        ulysses=_positive_int(raw.get("ulysses", d.ulysses), "ulysses", at("ulysses")),
+        cfg_parallel=_bool(raw.get("cfg_parallel", d.cfg_parallel), "cfg_parallel", at("cfg_parallel")),
     )
     _cache_defaults_need_graphs(dict(spec.defaults), spec.step_cache, at("defaults"))
+    _layout_combinations(spec, at)
     return spec
+
+
+def _layout_combinations(spec: BuildSpec, at) -> None:
+    """What the parallel layouts do not combine with, refused in one line naming it."""
+    if spec.layout.plain:
+        return
+    key = "ulysses" if spec.ulysses > 1 else "cfg_parallel"
+    if spec.step_cache:
+        raise ConfigError(f"{at(key)}: step_cache with {spec.layout.describe()} is not implemented (the cached "
+                          "residuals would be per sequence shard and per CFG group)",
+                          "build step caching and the parallel layouts as separate bundles")
+    if "denoiser" not in spec.components:
+        raise ConfigError(f"{at(key)}: {key} splits the denoiser, but components leave the denoiser out")
+    if spec.cfg_parallel and True not in spec.cfg:
+        raise ConfigError(f"{at('cfg_parallel')}: cfg_parallel splits the true-CFG step, but cfg builds only the "
+                          "no-CFG graph", "add true to cfg, or drop cfg_parallel")
 
 
 def _cpu_target(value, backend: str, source: str) -> str | None:

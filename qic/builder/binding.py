@@ -48,27 +48,40 @@ def bound_module(ctx: Context, component: str, weights_path: Path | None) -> tor
                    for n, shape in shard_shapes(ctx, component).items()}
     module.load_state_dict(tensors, strict=True, assign=True)
     module = module.to(dtype)
-    if tp > 1:
-        # The all-reduces enter the graph by the world group's name; at run time each rank's gloo/NCCL
-        # world group has that name. Tracing needs a group of the right size: a fake one, no peers.
+    layout = ctx.spec.layout
+    if tp > 1 or not layout.plain:
+        # The collectives enter the graph by their groups' names: the world group's ("0") for plain TP, the
+        # mesh axes' aliases otherwise (qic/parallel/mesh.py); at run time each rank's groups have those
+        # names. Tracing needs groups of the right sizes: fake ones, no peers. The step's own hooks (Ulysses,
+        # CFG-parallel) are set where the graph wraps the module (qic.builder.graphs).
         from qic.parallel.tp import apply_tp
-        fake_world(tp)
-        apply_tp(module)
+        fake_world(layout)
+        if tp > 1:
+            apply_tp(module, layout.group_name("tp"))
     return module
 
 
-def fake_world(tp: int) -> None:
+def fake_world(layout) -> None:
     import torch.distributed as dist
+
+    from qic.parallel.mesh import fake_join
+    world = layout.world
     if dist.is_initialized():
-        if dist.get_world_size() != tp and dist.get_backend() == "fake":
-            dist.destroy_process_group()  # our own tracing group for another TP degree (a warm matrix)
-        elif dist.get_world_size() != tp:
-            raise ConfigError(f"a process group of {dist.get_world_size()} ranks is active; building tp={tp} "
-                              "needs none (build from a plain process)")
+        if dist.get_backend() == "fake" and _FAKE.get("layout") != layout:
+            dist.destroy_process_group()  # our own tracing group for another layout (a warm matrix)
+        elif dist.get_backend() != "fake":
+            raise ConfigError(f"a process group of {dist.get_world_size()} ranks is active; building for "
+                              f"{layout.describe()} needs none (build from a plain process)")
         else:
             return
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    if not layout.plain:
+        fake_join(layout)
+    _FAKE["layout"] = layout
+
+
+_FAKE: dict = {}   # the layout our fake tracing world was made for
 
 
 def compile_job(job, ctx: Context, backend, weights_path: Path | None = None, remote=None, sign=None):

@@ -84,6 +84,8 @@ def _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out:
             "backend": backend.identity(),
             "device": spec.device,
             "tp": spec.tp,
+            # Ranks per image (qic/parallel/mesh.py): world = tp x ulysses x cfg; tp shard files serve every world.
+            "layout": spec.layout.as_dict(),
             "model": {"id": ctx.ckpt.model_id, "digest": digest},
             "dtypes": dict(spec.dtype),
             "components": list(spec.components),

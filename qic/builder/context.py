@@ -58,6 +58,9 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
     for b in spec.text_buckets:
         if b and b <= template_len:
             raise ConfigError(f"text bucket {b} is too small for {what}; use buckets > {template_len}")
+    if "denoiser" in spec.components and not spec.layout.plain:
+        from qic.parallel.sequence import check_layout
+        check_layout(spec.layout, ctx.configs["denoiser"].num_attention_heads)
     for name in spec.components:
         expected_tensors(COMPONENTS[name], ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
     if spec.loras:

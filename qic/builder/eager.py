@@ -16,18 +16,23 @@ from qic.checkpoint.reader import Checkpoint
 from qic.dtypes import TORCH_DTYPES
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.models.common import load_weights
+from qic.parallel.mesh import RANK_INPUTS, Layout, join
+from qic.parallel.tp import apply_tp, shard_state_dict
 from qic.tokenizer import load_tokenizer
 
 
 class _Eager:
-    def __init__(self, gdef):
+    def __init__(self, gdef, fixed: dict | None = None):
         self.module = gdef.module.eval()
         self.examples = gdef.inputs   # (name, example tensor)
         # As a bundle's graph describes its inputs (qic.runtime.bundle.Graph), for the runtime's loops.
         self.inputs = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in gdef.inputs]
         self._dtypes = [t.dtype for _, t in gdef.inputs]
+        self._fixed = {n: t for n, t in (fixed or {}).items() if n in {i["name"] for i in self.inputs}}
 
     def __call__(self, *tensors):
+        given = iter(tensors)
+        tensors = [self._fixed[i["name"]] if i["name"] in self._fixed else next(given) for i in self.inputs]
         args = [t.to(dt) for t, dt in zip(tensors, self._dtypes)]
         with torch.no_grad():
             out = self.module(*args)
@@ -36,7 +41,10 @@ class _Eager:
 
 class EagerModel:
     def __init__(self, root: str | Path, resolutions, buckets, dtype: str = "float32",
-                 step_cache: tuple[int, int] | None = None):
+                 step_cache: tuple[int, int] | None = None, layout: Layout | None = None, rank: int = 0):
+        """layout, rank: run the denoiser as rank `rank` of a parallel layout (qic/parallel/mesh.py; the
+        process group joined by the caller's spawner): its TP shard, the mesh's hooks and rank inputs. The
+        text encoder and VAE stay whole (replicated)."""
         self.ckpt = Checkpoint(Path(root))
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
         self.resolutions = [tuple(r) for r in resolutions]
@@ -45,10 +53,19 @@ class EagerModel:
         self.prompt = {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS}
         self.dtype = dtype
         self.configs, self.modules = {}, {}
+        self.layout, self.rank = layout or Layout(), rank
+        self.coords = self.layout.coords(rank)
+        if not self.layout.plain:
+            join(self.layout)
         for name, comp in COMPONENTS.items():
             cfg = comp.parse_config(self.ckpt.config(comp.folder))
-            module = comp.make_module(cfg)
             sd = comp.convert(self.ckpt.weights(comp.folder).load())
+            if name == "denoiser" and self.layout.tp > 1:
+                module = comp.make_module(cfg, tp_size=self.layout.tp)
+                sd = shard_state_dict(name, sd, self.coords["tp"], self.layout.tp)
+                apply_tp(module, self.layout.group_name("tp"))
+            else:
+                module = comp.make_module(cfg)
             load_weights(module, sd, name)
             self.configs[name] = cfg
             self.modules[name] = module.to(TORCH_DTYPES[comp.fixed_dtype or dtype]).eval()
@@ -78,8 +95,9 @@ class EagerModel:
                 gdef = text_encoder_graph(m, bucket, batch=batch)
             elif component == "denoiser":
                 gdef = denoiser_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
-                                      bucket, self.dtype, cfg=cfg, batch=batch)
+                                      bucket, self.dtype, cfg=cfg, batch=batch, layout=self.layout)
             else:
                 gdef = vae_decoder_graph(m, *resolution, batch=batch)
-            self._graphs[key] = _Eager(gdef)
+            fixed = {name: torch.tensor([self.coords[axis]]) for name, axis in RANK_INPUTS.items()}
+            self._graphs[key] = _Eager(gdef, fixed)
         return self._graphs[key]

@@ -30,6 +30,10 @@ from qic.models.mmdit import rope_tables
 from qic.models.step import DenoiseStep
 from qic.models.step_cache import StepHead, StepMiddle, StepTail
 from qic.models.vae_decoder import QwenVAEDecoder
+from qic.parallel.mesh import AXES, Layout
+from qic.parallel.sequence import apply_layout
+
+PLAIN = Layout()
 
 
 @dataclass
@@ -42,6 +46,8 @@ class GraphDef:
     dynamic: dict | None = None    # torch.export dynamic_shapes, for exact-length text
     weight_prefix: str = ""        # graph constant name = prefix + weight-shard tensor name
     shape: dict = field(default_factory=dict)  # what the runtime selects on: resolution, bucket
+    # A parallel layout's collective groups: name -> replica groups over the world (None: plain TP's world group)
+    groups: dict | None = None
 
 
 class StepGraph(nn.Module):
@@ -51,20 +57,21 @@ class StepGraph(nn.Module):
     graph can see and sliced to the actual length, so exact-length (dynamic) graphs work too.
     """
 
-    def __init__(self, step: DenoiseStep, config, rows: int, cols: int, max_text: int):
+    def __init__(self, step: DenoiseStep, config, rows: int, cols: int, max_text: int, names: list[str]):
         super().__init__()
-        self.step = step
+        self.step, self.names = step, names   # names: the positional graph inputs, in order
         cos, sin = rope_tables(config, rows, cols, max_text)
         self.register_buffer("rope_cos_txt", cos[:max_text].contiguous(), persistent=False)
         self.register_buffer("rope_sin_txt", sin[:max_text].contiguous(), persistent=False)
         self.register_buffer("rope_cos_img", cos[max_text:].contiguous(), persistent=False)
         self.register_buffer("rope_sin_img", sin[max_text:].contiguous(), persistent=False)
 
-    def forward(self, latents, text_embeds, text_mask, timestep, sigma, sigma_next, guidance=None):
-        n = text_embeds.shape[1]
-        cos = torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0)
-        sin = torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0)
-        return self.step(latents, text_embeds, text_mask, timestep, sigma, sigma_next, guidance, cos, sin)
+    def forward(self, *args):
+        x = dict(zip(self.names, args))
+        n = x["text_embeds"].shape[1]
+        x["rope_cos"] = torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0)
+        x["rope_sin"] = torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0)
+        return self.step(**({"guidance": None} | x))
 
 
 class StepPartGraph(nn.Module):
@@ -171,12 +178,16 @@ def text_encoder_graph(module, bucket: int, batch: int = 1) -> GraphDef:
 
 
 def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
-                   cfg: bool = True, batch: int = 1) -> GraphDef:
+                   cfg: bool = True, batch: int = 1, layout: Layout = PLAIN) -> GraphDef:
     """cfg=False: the no-CFG step, text of batch `batch` and no guidance input (one transformer call a step).
-    batch > 1: `batch` images a step, guidance [batch] (one scale per image)."""
+    batch > 1: `batch` images a step, guidance [batch] (one scale per image).
+    layout: Ulysses and CFG-parallel (qic/parallel/mesh.py) add the rank inputs sp_rank / cfg_rank, [1] int64,
+    which the runtime fills with the rank's mesh coordinates; the graph's collectives name the mesh's axes."""
     rows, cols = packed_grid(height, width, vae_scale)
     text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
-    module = StepGraph(DenoiseStep(mmdit, cfg=cfg), config, rows, cols, text_len)
+    step = DenoiseStep(mmdit, cfg=cfg, ulysses=layout.ulysses, cfg_parallel=layout.cfg > 1)
+    if not layout.plain:
+        apply_layout(step, layout)
     rows_of_text = 2 * batch if cfg else batch
     example_len = text_len if bucket else 8
     dt = TORCH_DTYPES[dtype]
@@ -190,6 +201,8 @@ def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucke
         ("text_mask", torch.ones(rows_of_text, example_len, dtype=torch.long)),
         ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)),
     ] + ([("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else [])
+    inputs += [(name, torch.zeros(1, dtype=torch.long)) for name in rank_inputs(step)]
+    module = StepGraph(step, config, rows, cols, text_len, [n for n, _ in inputs])
     dynamic = None
     if not bucket:
         text = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
@@ -209,9 +222,21 @@ def vae_decoder_graph(weights_module, height: int, width: int, batch: int = 1) -
                     [("latents", latents)], ["image"], shape={"resolution": [height, width]} | _batch_shape(batch))
 
 
-def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
+def rank_inputs(step: DenoiseStep) -> list[str]:
+    """The mesh coordinates a step graph takes as inputs (the runtime's contract: qic.parallel.mesh.RANK_INPUTS)."""
+    return (["cfg_rank"] if step.cfg_parallel else []) + (["sp_rank"] if step.shard is not None else [])
+
+
+def make_graph(component: str, module, configs: dict, shape: dict, dtype: str, layout: Layout = PLAIN):
     """The GraphDef of one graph around a component module (weights bound, or fake for estimates), by the
     shape qic.builder.jobs plans."""
+    gdef = _make_graph(component, module, configs, shape, dtype, layout)
+    if not layout.plain:
+        gdef.groups = {layout.group_name(a): layout.groups(a) for a in AXES}
+    return gdef
+
+
+def _make_graph(component: str, module, configs: dict, shape: dict, dtype: str, layout: Layout):
     batch = shape.get("batch", 1)
     if component == "text_encoder":
         return text_encoder_graph(module, shape["bucket"], batch)
@@ -222,5 +247,5 @@ def make_graph(component: str, module, configs: dict, shape: dict, dtype: str):
                                    shape["bucket"], dtype, shape["part"], shape["first"], shape["last"],
                                    cfg=shape.get("cfg", True), batch=batch, rows=shape.get("rows"))
         return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
-                              shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch)
+                              shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch, layout=layout)
     return vae_decoder_graph(module, *shape["resolution"], batch)

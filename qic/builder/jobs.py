@@ -30,7 +30,7 @@ PROVENANCE_KEYS = ("_diffusers_version", "_name_or_path", "transformers_version"
 # Where the code that shapes a graph starts: the graph makers, the models, TP's rewrite (applied before
 # export) and every back end's build half. What they import, at any depth and inside functions too, is
 # found by code_files(), so a module they come to use is keyed without anyone listing it.
-CODE_ROOTS = ("qic.builder.graphs", "qic.models", "qic.parallel.tp", "qic.backends")
+CODE_ROOTS = ("qic.builder.graphs", "qic.models", "qic.parallel.tp", "qic.parallel.sequence", "qic.backends")
 _QIC = Path(__file__).resolve().parent.parent
 
 
@@ -120,16 +120,19 @@ def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
         deps = {f: {k: v for k, v in raw[f].items() if k not in PROVENANCE_KEYS} for f in CONFIG_DEPS[comp_name]}
         dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
         name = name_of(comp_name, shape)
-        shape_key = {**shape, "looped": looped(spec, comp_name)}
+        # A parallel layout changes every TP graph's collectives (the mesh's group names) and the step's.
+        layout = {} if spec.layout.plain else {"layout": spec.layout.as_dict()}
+        shape_key = {**shape, "looped": looped(spec, comp_name)} | (layout if tp_of(comp_name, spec.tp) > 1
+                                                                   or comp_name == "denoiser" else {})
         tp = tp_of(comp_name, spec.tp)
         jobs.append(GraphJob(comp_name, name, shape, spec_key(name, shape_key, dtype, tp, deps, identity, code),
-                             _maker(comp_name, configs, shape, spec.dtype_of(comp_name)),
+                             _maker(comp_name, configs, shape, spec.dtype_of(comp_name), spec.layout),
                              spec_key(name, shape_key, dtype, tp, deps, where, "")))
     return jobs
 
 
-def _maker(component: str, configs: dict, shape: dict, dtype: str):
-    return lambda module: make_graph(component, module, configs, shape, dtype)
+def _maker(component: str, configs: dict, shape: dict, dtype: str, layout):
+    return lambda module: make_graph(component, module, configs, shape, dtype, layout)
 
 
 def graph_shapes(spec) -> list[tuple[str, dict]]:

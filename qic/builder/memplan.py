@@ -82,6 +82,9 @@ class MemoryPlan:
     components: list[ComponentPlan] = field(default_factory=list)
     graphs: list[GraphPlan] = field(default_factory=list)
     compile_source: str = ""
+    layout: object = None
+    # Per resolution (the longest text bucket, true CFG): one rank's FLOPs and collective bytes per step
+    traffic: list = field(default_factory=list)
 
     @property
     def shard_disk(self) -> int:
@@ -166,10 +169,18 @@ def weight_bytes(component: str, config, tp: int, dtype: str, looped: bool = Fal
                for t in module.state_dict().values())
 
 
-def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: dict) -> tuple[int, int, int]:
-    """(input bytes, largest activation, activation peak) of one graph, on fake tensors."""
+def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: dict,
+                   layout=None) -> tuple[int, int, int]:
+    """(input bytes, largest activation, activation peak) of one graph, on fake tensors. Under a parallel
+    layout the denoiser's step runs with its real collectives on a fake process group (Ulysses' shards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from qic.parallel.mesh import Layout
+    layout = layout if layout is not None and component == "denoiser" else Layout()
+    if not layout.plain:
+        from qic.builder.binding import fake_world
+        from qic.parallel.sequence import apply_layout
+        fake_world(layout)
     comp = COMPONENTS[component]
     dtype = comp.fixed_dtype or dtype
     default = torch.get_default_dtype()
@@ -179,13 +190,69 @@ def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: di
             module = comp.make_module(_one_layer(configs[component]), tp_size=tp).eval()
         finally:
             torch.set_default_dtype(default)
-        _simulated_tp(module, tp)
-        gdef = make_graph(component, module, configs, shape, dtype)
+        if layout.plain:
+            _simulated_tp(module, tp)
+        gdef = make_graph(component, module, configs, shape, dtype, layout)
+        if not layout.plain:
+            apply_layout(gdef.module, layout)
         args = [t for _, t in gdef.inputs]
         with torch.no_grad(), LiveBytes() as live:
             out = gdef.module.eval()(*args)
             del out
     return sum(t.numel() * t.element_size() for t in args), live.largest, live.peak
+
+
+# The functional collectives' ops, by the HLO opcode each lowers to (qic/backends/neuron/lower.py).
+COLLECTIVE_OPS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather", "all_to_all_single": "all-to-all"}
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Per collective kind, the bytes of its results (what each rank holds after it), as the lowered HLO
+    counts them (qic.backends.neuron.hlo_proto.collective_bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = {op: 0 for op in COLLECTIVE_OPS.values()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        kind = COLLECTIVE_OPS.get(func._schema.name.split("::")[-1]) if func.namespace == "_c10d_functional" else None
+        if kind:
+            self.bytes[kind] += out.numel() * out.element_size()
+        return out
+
+
+def step_traffic(configs: dict, layout, dtype: str, shape: dict) -> dict:
+    """One rank's work in one denoise step under `layout`: FLOPs and the bytes each collective kind moves,
+    from the step graph run on fake tensors with its real collectives (a fake process group of the layout's
+    world). Blocks are identical, so the figures for L blocks are those of 1 block plus L - 1 times the
+    difference between 2 blocks and 1: exact, at two blocks' cost."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from qic.builder.binding import fake_world
+    from qic.parallel.sequence import apply_layout
+    fake_world(layout)
+    layers = configs["denoiser"].num_layers
+
+    def measure(n: int) -> dict:
+        cfgs = {**configs, "denoiser": dataclasses.replace(configs["denoiser"], num_layers=n)}
+        default = torch.get_default_dtype()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            torch.set_default_dtype(TORCH_DTYPES[dtype])
+            try:
+                module = COMPONENTS["denoiser"].make_module(cfgs["denoiser"], tp_size=layout.tp).eval()
+            finally:
+                torch.set_default_dtype(default)
+            gdef = make_graph("denoiser", module, cfgs, shape, dtype, layout)
+            apply_layout(gdef.module, layout)
+            counter = CollectiveBytes()
+            with torch.no_grad(), FlopCounterMode(display=False) as flops, counter:
+                gdef.module(*[t for _, t in gdef.inputs])
+        return {"flops": flops.get_total_flops(), **counter.bytes}
+
+    one, two = measure(1), measure(2)
+    return {k: one[k] + (layers - 1) * (two[k] - one[k]) for k in one}
 
 
 def _one_layer(config):
@@ -220,7 +287,8 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
             sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
         gname = name_of(name, shape)
         inputs, largest, peak = _estimate_cached(cache_dir, keys.get(gname),
-                                                 lambda: estimate_graph(name, configs, tp, spec.dtype_of(name), sized))
+                                                 lambda: estimate_graph(name, configs, tp, spec.dtype_of(name), sized,
+                                                                        spec.layout))
         cached = _is_cached(cache_dir, keys.get(gname))
         secs = [r["compile_seconds"] for r in records.get(name, [])]
         sizes = [r["bytes"] for r in records.get(name, [])]
@@ -228,6 +296,12 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
             gname, name, per_rank[name], inputs, largest, peak,
             0.0 if cached else (statistics.median(secs) if secs else DEFAULT_COMPILE_SECONDS), cached,
             int(statistics.median(sizes)) if sizes else DEFAULT_ARTIFACT_BYTES))
+    if "denoiser" in spec.components and True in spec.cfg:
+        bucket = max(spec.text_buckets) or DROP_TOKENS + MAX_PROMPT_TOKENS
+        plan.layout = spec.layout
+        for h, w in spec.resolutions:
+            plan.traffic.append(((h, w), bucket, step_traffic(configs, spec.layout, spec.dtype_of("denoiser"),
+                                                              {"resolution": [h, w], "bucket": bucket})))
     return plan
 
 

@@ -76,6 +76,10 @@ _BUILD_OPTIONS = [
     click.option("--backend", help="inductor | neuron"),
     click.option("--device", help="cpu | cuda (inductor), neuron"),
     click.option("--tp", type=int, help="Tensor-parallel degree."),
+    click.option("--ulysses", type=int, help="Ulysses sequence-parallel degree of the denoiser (world = tp x "
+                                             "ulysses x 2 with --cfg-parallel)."),
+    click.option("--cfg-parallel", is_flag=True, default=None,
+                 help="The cond and uncond rows of true CFG on two rank groups (doubles the world)."),
     click.option("--resolution", "resolutions", multiple=True,
                  help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's "
                       "list."),

@@ -28,7 +28,8 @@ def run_plan(config, overrides) -> None:
 
 
 def print_plan(plan, model: str, console: Console) -> None:
-    comps = Table(title=f"qic plan: {model}, tp={plan.tp}")
+    layout = f", {plan.layout.describe()}" if plan.layout is not None and not plan.layout.plain else ""
+    comps = Table(title=f"qic plan: {model}, tp={plan.tp}{layout}")
     for col in ("component", "dtype", "ranks", "weights/rank", "x TP 1", "shards on disk"):
         comps.add_column(col, justify="left" if col in ("component", "dtype") else "right")
     for c in plan.components:
@@ -42,6 +43,15 @@ def print_plan(plan, model: str, console: Console) -> None:
                        "cached" if g.cached else f"{g.compile_seconds:.0f}s")
     console.print(comps)
     console.print(graphs)
+    if plan.traffic:
+        step = Table(title=f"denoise step per rank, {plan.layout.describe()} (true CFG; collective bytes: "
+                           "what each rank receives)")
+        for col in ("resolution", "text", "TFLOP", "all-reduce", "all-gather", "all-to-all"):
+            step.add_column(col, justify="left" if col == "resolution" else "right")
+        for (h, w), bucket, t in plan.traffic:
+            step.add_row(f"{h}x{w}", str(bucket), f"{t['flops'] / 1e12:.3f}", size(t["all-reduce"]),
+                         size(t["all-gather"]), size(t["all-to-all"]))
+        console.print(step)
     console.print(f"run: {size(plan.run_peak_per_rank)} per rank (every component resident + the largest graph); "
                   f"disk: {size(plan.shard_disk)} shards + {size(plan.artifact_disk)} compiled graphs in the cache, "
                   f"the bundle hard-links the shards and copies the graphs; {len(plan.graphs)} graphs, "

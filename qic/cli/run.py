@@ -12,7 +12,7 @@ from qic.host.cache_policy import computed_line
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
-from qic.runtime.launch import bundle_tp, spawn_ranks, torchrun_world
+from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 from qic.runtime.png import save_png
 
 _OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output",
@@ -26,24 +26,24 @@ def run_cli(bundle_path: str, options: dict) -> None:
         raise ConfigError("give exactly one of --prompt, --prompts-file, --interactive")
     if options.get("prompts_file"):
         _read_prompts(Path(options["prompts_file"]))
-    built_tp = bundle_tp(bundle_path, options.get("tp"), "run")
+    ranks = bundle_world(bundle_path, options.get("tp"), "run")
     world = torchrun_world()
     if world is not None:  # launched by torchrun: this process is one rank
         if options.get("interactive"):
             # Each rank would read its own terminal line: ranks would run different prompts and hang.
             raise ConfigError("--interactive runs one process; torchrun started ranks",
                               "use --prompts-file under torchrun, or run `qic run --interactive` without it")
-        if world != built_tp:
-            raise ConfigError(f"torchrun started {world} rank(s); the bundle was built for tp={built_tp}",
-                              f"use torchrun --nproc-per-node {built_tp}")
+        if world != ranks:
+            raise ConfigError(f"torchrun started {world} rank(s); the bundle's layout runs on {ranks}",
+                              f"use torchrun with {ranks} ranks in all (e.g. --nproc-per-node {ranks})")
         rank, world, _ = init_from_env()
         serve(bundle_path, options, rank, world)
-    elif built_tp == 1:
+    elif ranks == 1:
         serve(bundle_path, options, 0, 1)
     else:
         if options.get("interactive"):
             raise ConfigError("--interactive runs one rank; use --prompts-file with a tensor-parallel bundle")
-        spawn_ranks(serve, built_tp, bundle_path, options, timeout=7 * 24 * 3600.0)
+        spawn_ranks(serve, ranks, bundle_path, options, timeout=7 * 24 * 3600.0)
 
 
 def serve(bundle_path_or_rank, *args) -> None:

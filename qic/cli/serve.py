@@ -16,7 +16,7 @@ import socket
 import sys
 
 from qic.errors import ConfigError, QicError
-from qic.runtime.launch import bundle_tp, spawn_ranks, torchrun_world
+from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 
 # Sent by the parent to the ranks still running when one fails; its default action ends the followers,
 # rank 0 handles it (see serve_rank).
@@ -24,20 +24,20 @@ PEER_DIED = signal.SIGUSR1
 
 
 def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) -> None:
-    built_tp = bundle_tp(bundle_path, tp, "serve")
+    ranks = bundle_world(bundle_path, tp, "serve")
     if torchrun_world() is not None:
         raise ConfigError("qic serve starts its own ranks; do not launch it with torchrun",
-                          f"run `qic serve {bundle_path} --tp {built_tp}`")
+                          f"run `qic serve {bundle_path}` (it starts the bundle's {ranks} ranks)")
     for name in ("queue", "max_n", "max_batch"):
         if getattr(settings, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if not settings.timeout > 0:
         raise ConfigError("--timeout must be a positive number of seconds")
-    if built_tp == 1:
+    if ranks == 1:
         serve_rank(0, 1, bundle_path, host, port, settings)
         return
     signal.signal(signal.SIGTERM, _forward_to_ranks)
-    spawn_ranks(serve_rank, built_tp, bundle_path, host, port, settings, timeout=None, notify=PEER_DIED)
+    spawn_ranks(serve_rank, ranks, bundle_path, host, port, settings, timeout=None, notify=PEER_DIED)
 
 
 def _forward_to_ranks(sig, frame) -> None:

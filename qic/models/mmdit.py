@@ -188,7 +188,13 @@ class FeedForward(nn.Module):
 
 
 class JointAttention(nn.Module):
-    """Joint attention over [text | image]: per-stream QKV and QK-RMSNorm, shared RoPE table and SDPA."""
+    """Joint attention over [text | image]: per-stream QKV and QK-RMSNorm, shared RoPE table and SDPA.
+
+    `exchange` (None, or Ulysses' all-to-all hook, set by qic.parallel.sequence): under sequence parallelism
+    the streams hold this rank's tokens only; q/k/v (RoPE applied per token) are exchanged for all tokens of
+    a 1/U part of the heads, attended over the whole sequence, and exchanged back."""
+
+    exchange = None
 
     def __init__(self, dim: int, heads: int, head_dim: int):
         super().__init__()
@@ -209,10 +215,14 @@ class JointAttention(nn.Module):
         k = torch.cat([self.norm_added_k(heads(self.add_k_proj(txt))), self.norm_k(heads(self.to_k(img)))], 1)
         v = torch.cat([heads(self.add_v_proj(txt)), heads(self.to_v(img))], 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.exchange is not None:
+            q, k, v = self.exchange.to_heads(q, k, v)
         # attn_mask None is the fast path: plain SDPA, no mask tensor in the graph at all.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=attn_mask)
-        out = out.transpose(1, 2).flatten(2).to(q.dtype)
+                                             attn_mask=attn_mask).transpose(1, 2)
+        if self.exchange is not None:
+            out = self.exchange.to_tokens(out)
+        out = out.flatten(2).to(q.dtype)
         n_txt = txt.shape[1]
         return self.to_out[0](out[:, n_txt:].contiguous()), self.to_add_out(out[:, :n_txt].contiguous())
 

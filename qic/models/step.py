@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from qic.models.mmdit import QwenMMDiT
+from qic.models.ulysses import UlyssesShard
 
 
 class DenoiseStep(nn.Module):
@@ -25,26 +26,47 @@ class DenoiseStep(nn.Module):
     prompt). text_mask [rows, L] (nonzero = valid), or None when every token is valid.
     """
 
-    def __init__(self, mmdit: QwenMMDiT, cfg: bool = True):
+    # CFG-parallel (qic.parallel.sequence sets it): [B, S, C] -> [2B, S, C], both branches' predictions in
+    # CFG-rank order, i.e. [cond rows | uncond rows].
+    cfg_gather = None
+
+    def __init__(self, mmdit: QwenMMDiT, cfg: bool = True, ulysses: int = 1, cfg_parallel: bool = False):
         super().__init__()
         self.mmdit = mmdit
         self.cfg = cfg
+        # Ulysses: the denoiser runs on this rank's 1/U of the tokens (qic/models/ulysses.py).
+        self.shard = UlyssesShard(ulysses) if ulysses > 1 else None
+        self.cfg_parallel = cfg_parallel and cfg
 
     def forward(self, latents: torch.Tensor, text_embeds: torch.Tensor, text_mask: torch.Tensor | None,
                 timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-                guidance: torch.Tensor | None, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+                guidance: torch.Tensor | None, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                cfg_rank: torch.Tensor | None = None, sp_rank: torch.Tensor | None = None) -> torch.Tensor:
         """latents [B, S_img, C] packed; timestep, sigma, sigma_next: 0-dim fp32 tensors (timestep = the
         scheduler's t, i.e. sigma * 1000); guidance: 0-dim (every image) or [B] (one per image) fp32;
-        rope tables from rope_tables(config, h, w, L). Returns the next latents [B, S_img, C] in latents' dtype."""
+        rope tables from rope_tables(config, h, w, L); cfg_rank / sp_rank: this rank's CFG branch and Ulysses
+        shard, [1] int64 (the parallel layouts only). Returns the next latents [B, S_img, C] in latents' dtype."""
         images = latents.shape[0]
         rows = 2 * images if self.cfg else images
         if text_embeds.shape[0] != rows:
             raise ValueError(f"DenoiseStep(cfg={self.cfg}) takes text of batch {rows} for latents of batch "
                              f"{images}, got {text_embeds.shape[0]}")
+        if self.cfg_parallel:
+            # This rank's branch only: its B text rows; the other branch's group computes the others.
+            text_embeds = text_embeds.unflatten(0, (2, images)).index_select(0, cfg_rank).flatten(0, 1)
+            if text_mask is not None:
+                text_mask = text_mask.unflatten(0, (2, images)).index_select(0, cfg_rank).flatten(0, 1)
+            rows, model_in = images, latents
+        else:
+            # [cond rows | uncond rows]: each image's latents twice, matching the text rows' order.
+            model_in = latents.repeat(2, 1, 1) if self.cfg else latents
         t = model_timestep(timestep, latents, rows)
-        # [cond rows | uncond rows]: each image's latents twice, matching the text rows' order.
-        model_in = latents.repeat(2, 1, 1) if self.cfg else latents
-        pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin)
+        if self.shard is not None:
+            pred = self.shard(self.mmdit, model_in, text_embeds, text_mask, t, rope_cos, rope_sin, sp_rank)
+        else:
+            pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin)
+        if self.cfg_parallel:
+            pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)
 
 

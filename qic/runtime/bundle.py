@@ -14,6 +14,7 @@ from qic.dtypes import TORCH_DTYPES
 from qic.errors import BundleError, ConfigError
 from qic.graph_names import graph_name
 from qic.manifest import check_compatible, read_manifest, verify_files
+from qic.parallel.mesh import RANK_INPUTS, Layout, join
 from qic.tokenizer import load_tokenizer
 from qic.verified import VerificationCache
 from qic.weights import mmap_safetensors
@@ -27,9 +28,12 @@ class Graph:
     run: object                       # callable(list[Tensor]) -> list[Tensor]
     inputs: list[dict]                # name, shape, dtype as exported
     shape: dict = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)   # input name -> the tensor every call gets (RANK_INPUTS)
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        return self.run([t.to(DTYPES[spec["dtype"]]).contiguous() for t, spec in zip(tensors, self.inputs)])
+        given = iter(tensors)
+        return self.run([(self.fixed[spec["name"]] if spec["name"] in self.fixed else next(given))
+                         .to(DTYPES[spec["dtype"]]).contiguous() for spec in self.inputs])
 
 
 class Bundle:
@@ -53,10 +57,15 @@ class Bundle:
         # Every file is checked before any of it is loaded: compiled code is hashed every time, weight
         # shards once per identity (qic/verified.py) unless verify_all asks for a full re-hash.
         self.trusted_weight_files = verify_files(self.path, m, cache=VerificationCache(), full=verify_all)
-        if m["tp"] != world:
-            raise BundleError(f"{self.path}: bundle was built for tp={m['tp']}, but {world} rank(s) run it",
-                              f"run it with --tp {m['tp']}")
+        self.layout = Layout.of_manifest(m)
+        if self.layout.world != world:
+            raise BundleError(f"{self.path}: bundle was built for {self.layout.describe()}, but {world} rank(s) "
+                              "run it", f"run it with {self.layout.world} ranks (--tp {m['tp']} launches them)")
         self.rank, self.world = rank, world
+        self.coords = self.layout.coords(rank)
+        join(self.layout)     # the mesh's groups, before any graph that names them is loaded
+        tp_rank = self.coords["tp"]
+        fixed = {name: torch.tensor([self.coords[axis]]) for name, axis in RANK_INPUTS.items()}
         other = _weights_bundle(weights_from, m, verify_all) if weights_from is not None else None
         self.weights_id = other[1]["id"] if other else None    # the bundle whose weights run, if not this one
         self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
@@ -72,11 +81,11 @@ class Bundle:
         for g in m["graphs"]:
             constants = {}
             # Tensor-parallel components have one weight file per rank; replicated ones have one in all.
-            rel = g["weights"][rank] if len(g["weights"]) > 1 else g["weights"][0]
+            rel = g["weights"][tp_rank] if len(g["weights"]) > 1 else g["weights"][0]
             if rel not in shards:
                 shards[rel] = mmap_safetensors(self.path / rel)
                 if other is not None:
-                    shards[rel] = _swap_weights(shards[rel], other, g["component"], rank)
+                    shards[rel] = _swap_weights(shards[rel], other, g["component"], tp_rank)
             constants.update({g["weight_prefix"] + k: v for k, v in shards[rel].items()})
             if g["constants_file"]:
                 constants.update(mmap_safetensors(self.path / g["constants_file"]))
@@ -86,7 +95,8 @@ class Bundle:
             weights = [constants[n] for n in g["weight_inputs"]]
             run = load_graph(m, self.path / g["file"], weights, self.device, rank=rank, world=world)
             key = _key(g["component"], g["name"])
-            self.graphs[key] = Graph(g["name"], run, g["inputs"])
+            self.graphs[key] = Graph(g["name"], run, g["inputs"],
+                                     fixed={i["name"]: fixed[i["name"]] for i in g["inputs"] if i["name"] in fixed})
         self.load_seconds = time.perf_counter() - t0
         Bundle.seconds_loading += self.load_seconds
 

@@ -20,6 +20,7 @@ from qic.host.cache_policy import CacheSettings, settings_from
 from qic.host.latents import initial_noise
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
+from qic.parallel.mesh import share_from_first
 from qic.runtime.bundle import Bundle
 from qic.runtime.step_cache import cached_loop
 
@@ -158,7 +159,12 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
     guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
     x, rows_state = noise, None
-    if first.cache.active:
+    # CFG-parallel without CFG (the no-CFG graph: one prediction a step, no second branch to compute): the
+    # ranks of CFG group 1 idle through the loop rather than repeat group 0's work, then take its latents.
+    share = bundle.layout.cfg > 1 and not batched
+    if share and bundle.coords["cfg"] == 1:
+        times["idle"] = 0.0
+    elif first.cache.active:
         x, rows_state = cached_loop(bundle, first.cache, res, bucket, batched, n, x, text, text_mask, schedule,
                                   first.steps, guidance, times)
     else:
@@ -167,6 +173,8 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
             x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1],
                      *guidance)[0]
             times[f"step{i}"] = time.perf_counter() - t
+    if share:
+        x = share_from_first(bundle.layout, "cfg", x)
 
     t = time.perf_counter()
     images = bundle.graph("vae_decoder", res, batch=n)(x.float())[0]

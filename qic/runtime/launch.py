@@ -1,6 +1,6 @@
-"""Starting the ranks a bundle asks for, shared by `qic run` and `qic serve`: the bundle's TP degree against
---tp and torchrun's world, then one process (tp=1), this process as one torchrun rank, or tp ranks spawned
-on loopback with the cores shared among them."""
+"""Starting the ranks a bundle asks for, shared by `qic run` and `qic serve`: the bundle's layout (its TP degree
+against --tp) and torchrun's world, then one process (world 1), this process as one torchrun rank, or the
+world's ranks spawned on loopback with the cores shared among them."""
 
 from __future__ import annotations
 
@@ -9,15 +9,18 @@ from pathlib import Path
 
 from qic.errors import ConfigError
 from qic.manifest import read_manifest
+from qic.parallel.mesh import Layout
 
 
-def bundle_tp(bundle_path: str | Path, asked: int | None, verb: str) -> int:
-    """The TP degree the bundle was built for; --tp, when given, must equal it."""
-    built = read_manifest(Path(bundle_path))["tp"]
+def bundle_world(bundle_path: str | Path, asked: int | None, verb: str) -> int:
+    """The ranks the bundle's layout asks for (tp x ulysses x cfg, qic/parallel/mesh.py); --tp, when given,
+    must equal the bundle's TP degree."""
+    manifest = read_manifest(Path(bundle_path))
+    built = manifest["tp"]
     if asked is not None and asked != built:
         raise ConfigError(f"--tp {asked} asked for, but the bundle was built for tp={built}",
                           f"{verb} with --tp {built} or rebuild with --tp {asked}")
-    return built
+    return Layout.of_manifest(manifest).world
 
 
 def torchrun_world() -> int | None:

@@ -36,6 +36,7 @@ from qic.backends.neuron import DEVICES, HLO_FILE, NAME, NEFF_FILE, PARAMS_FILE
 from qic.errors import CompileError, ConfigError
 
 TARGET = "trn2"
+COLLECTIVES = {"all-reduce", "all-gather", "all-to-all"}   # HLO opcodes that need every rank of their groups
 # fp32 on both sides; XLA:CPU may reassociate reductions and fuse differently from eager, so errors of a
 # few ulps per reduction accumulate through the layers: 1e-5 is ~100 fp32 ulps of relative error, far
 # above that and far below what a wrong weight, mask or step constant gives (1e-2 and up, tests).
@@ -89,27 +90,32 @@ class NeuronBackend(Backend):
     def trace(self, gdef, tensors: dict) -> Traced:
         """Lower the eager module to HLO (no torch.export); the HLO is what the compiler sees, so its digest
         names the graph. Lowering takes well under a second per graph."""
+        from qic.backends.neuron import hlo_proto
         from qic.parallel.tp import tp_size_of
         if gdef.dynamic:
             raise ConfigError(f"graph {gdef.name}: the neuron back end needs fixed text buckets (a NEFF has static "
                               "shapes; exact-length graphs have a dynamic text dimension)",
                               "use text buckets such as 128,256 instead of 0")
         tp = tp_size_of(gdef.module)
-        lowered = self.lower(gdef.module, gdef.inputs, tensors, tp)
+        groups = getattr(gdef, "groups", None) or {"0": [list(range(tp))]}
+        lowered = self.lower(gdef.module, gdef.inputs, tensors, groups)
+        # The ranks its collectives span: a graph without any (the VAE, a TP 1 step) checks on one device.
+        collective = set(hlo_proto.opcodes(lowered.proto)) & COLLECTIVES
+        ranks = 1 + max(r for g in groups.values() for group in g for r in group) if collective else 1
         digest = hashlib.sha256(b"qic-hlo-v1" + hashlib.sha256(lowered.proto).digest())
         # Scalars torch-xla made parameters travel with the graph, after its weights.
-        return Traced(digest, list(tensors) + list(lowered.constants), (lowered, gdef, tensors, tp),
+        return Traced(digest, list(tensors) + list(lowered.constants), (lowered, gdef, tensors, ranks),
                       constants=dict(lowered.constants))
 
     def compile(self, traced: Traced, out_dir: Path) -> CompiledGraph:
         """Write the HLO files, then execute them on XLA:CPU against eager (fp32: rel-L2 <= XLA_CPU_REL_L2;
         bf16: see check()); a graph beyond its bound fails the build."""
-        lowered, gdef, tensors, tp = traced.payload
+        lowered, gdef, tensors, ranks = traced.payload
         compiled = self.write(lowered, traced.weight_names, [n for n, _ in gdef.inputs], out_dir)
-        checks = {"xla_cpu_rel_l2": None, "tp": tp}
+        checks = {"xla_cpu_rel_l2": None, "tp": ranks}
         if not self.xla_check:
             checks["xla_cpu_check"] = "not run (xla_check: false)"
-        elif tp == 1:
+        elif ranks == 1:
             result = self.check(lowered, gdef.module, gdef.inputs, tensors)
             if not result.pop("ok"):
                 raise CompileError(f"graph {gdef.name}: lowered HLO on XLA:CPU differs from eager PyTorch "
@@ -117,9 +123,9 @@ class NeuronBackend(Backend):
                                    f"{result['xla_cpu_rel_l2']:.3g})", "report this as a qic bug")
             checks.update({k: float(f"{v:.3g}") if isinstance(v, float) else v for k, v in result.items()})
         else:
-            # A TP graph's collectives need tp XLA:CPU devices executing in lockstep with every rank's
+            # A graph's collectives need its ranks' XLA:CPU devices executing in lockstep with every rank's
             # shard; the tests run that (tests/test_neuron_xla.py); the build records no figure.
-            checks["xla_cpu_check"] = f"not run at build time for tp={tp} (see tests/test_neuron_xla.py)"
+            checks["xla_cpu_check"] = f"not run at build time for {ranks} ranks (see tests/test_neuron_xla.py)"
         compiled.meta = {"checks": checks, "hlo": {"bytes": len(lowered.proto),
                                                    "parameters": len(lowered.param_order)}}
         return compiled
@@ -167,11 +173,11 @@ class NeuronBackend(Backend):
     def bundle_fields(self, graphs: list[dict]) -> dict:
         return {"lower_only": any(not g["neff"] for g in graphs), "neuron": self.compiler_identity()}
 
-    def lower(self, module: torch.nn.Module, inputs: list, tensors: dict, tp: int):
+    def lower(self, module: torch.nn.Module, inputs: list, tensors: dict, groups: dict):
         from qic.backends.neuron import lower as xla_lower
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return xla_lower.lower(module, inputs, tensors, tp=tp)
+            return xla_lower.lower(module, inputs, tensors, groups=groups)
 
     def write(self, lowered, weight_inputs: list[str], input_names: list[str], out_dir: Path) -> CompiledGraph:
         """Write the lowered graph's files; params.json maps HLO parameters to the runtime's lists."""

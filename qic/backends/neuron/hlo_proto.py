@@ -235,6 +235,28 @@ def replica_groups(proto: bytes, opcode: str = "all-reduce") -> list[list[list[i
     return groups
 
 
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                 "s64": 8, "u64": 8, "f64": 8}
+
+
+def collective_bytes(proto: bytes, opcodes_: tuple[str, ...]) -> dict[str, int]:
+    """Per opcode: the bytes of its instructions' results summed (what each rank holds after the collective:
+    the reduced tensor, the gathered one, the exchanged one), over every computation once. torch-xla's
+    all-reduce returns (data, ordering token scalar): only the data counts (qic's
+    collectives carry no 0-dim tensor), while its all-to-all is in tuple form, one element per rank's block,
+    all of which count."""
+    out = {op: 0 for op in opcodes_}
+    for instr in instructions(proto):
+        op = _get(instr, 2, b"").decode()
+        if op in out:
+            for dtype, dims in _shape(_get(instr, 3, b"")):
+                n = ELEMENT_BYTES.get(dtype, 0) if dims else 0   # the 0-dim token: no data
+                for d in dims:
+                    n *= d
+                out[op] += n
+    return out
+
+
 def entry_attributes(proto: bytes) -> dict[str, dict[str, str]]:
     """name -> frontend attributes, for the entry computation's instructions that have any."""
     out = {}

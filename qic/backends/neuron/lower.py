@@ -19,7 +19,9 @@ How a graph becomes HLO:
 - Tensor parallelism: the model's functional collectives (`_c10d_functional.all_reduce` and
   `all_gather_into_tensor` on the world group, the same ops the inductor graphs hold) are lowered as
   HLO `all-reduce` / `all-gather` with explicit `replica_groups={{0..tp-1}}`, so one HLO serves every
-  rank and the ranks differ only in weights.
+  rank and the ranks differ only in weights (and, under Ulysses or CFG-parallel, in their rank inputs).
+  A mesh's collectives name its axes; each lowers with that axis' replica groups over the whole world
+  (all-to-all for Ulysses' exchange).
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ class Lowered:
 
 
 def lower(module: torch.nn.Module, inputs: list[tuple[str, torch.Tensor]], weights: dict[str, torch.Tensor],
-          tp: int = 1) -> Lowered:
+          tp: int = 1, groups: dict[str, list[list[int]]] | None = None) -> Lowered:
     """Trace `module(*inputs)` with `weights` substituted for its tensors (functional_call), on XLA
-    placeholders of the same shapes and dtypes. Values are never read."""
+    placeholders of the same shapes and dtypes. Values are never read. `groups`: each collective group name
+    the module's hooks carry -> its replica groups (default: the world group "0" over ranks 0..tp-1)."""
     _fresh_token()
     fake_inputs = [_placeholder(t) for _, t in inputs]
     fake_weights = {n: _placeholder(t) for n, t in weights.items()}
-    with torch.no_grad(), layer_loop(while_loop), replica_groups(tp):
+    with torch.no_grad(), layer_loop(while_loop), replica_groups(groups or {"0": [list(range(tp))]}):
         outs = torch.func.functional_call(module, fake_weights, tuple(fake_inputs))
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     ctx = torch_xla._XLAC.lowering.LoweringContext("qic_graph")
@@ -215,33 +218,54 @@ def _fresh_token() -> None:
 
 # --------------------------------------------------------------------------------------------- collectives
 
-_GROUPS: list[list[int]] | None = None
+_GROUPS: dict[str, list[list[int]]] | None = None
 _LIB: torch.library.Library | None = None
 
 
 @contextlib.contextmanager
-def replica_groups(tp: int):
-    """Within this block, functional all-reduces on XLA tensors lower to all-reduce over ranks 0..tp-1."""
+def replica_groups(groups: dict[str, list[list[int]]]):
+    """Within this block, functional collectives on XLA tensors lower to HLO collectives whose replica groups
+    are their group name's: plain TP names the world group "0" (ranks 0..tp-1); a mesh names its axes
+    (qic/parallel/mesh.py), each axis' groups spanning the world."""
     global _GROUPS
     _install_collectives()
-    previous, _GROUPS = _GROUPS, [list(range(tp))]
+    previous, _GROUPS = _GROUPS, dict(groups)
     try:
         yield
     finally:
         _GROUPS = previous
 
 
-def _all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+def _groups_of(group_name: str) -> list[list[int]]:
     if _GROUPS is None:
         raise RuntimeError("a collective outside qic's lowering: replica groups unknown")
-    return torch_xla._XLAC._xla_all_reduce(op, x, 1.0, _GROUPS, True)
+    if group_name not in _GROUPS:
+        raise RuntimeError(f"collective on group {group_name!r}, which the lowering's layout does not name "
+                           f"({', '.join(sorted(_GROUPS))})")
+    return _GROUPS[group_name]
+
+
+def _all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    return torch_xla._XLAC._xla_all_reduce(op, x, 1.0, _groups_of(group_name), True)
 
 
 def _all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Stacks the ranks' tensors along dim 0, as `all_gather_into_tensor` does."""
-    if _GROUPS is None:
-        raise RuntimeError("a collective outside qic's lowering: replica groups unknown")
-    return torch_xla._XLAC._xla_all_gather(x, 0, group_size, _GROUPS, False, None, None)
+    return torch_xla._XLAC._xla_all_gather(x, 0, group_size, _groups_of(group_name), False, None, None)
+
+
+def _all_to_all(x: torch.Tensor, output_split_sizes, input_split_sizes, group_name: str) -> torch.Tensor:
+    """Equal splits along dim 0 (qic's only use, Ulysses' exchange): HLO all-to-all, split and concatenated
+    on dim 0, so block j goes to the group's j-th rank and the result holds the ranks' blocks in order."""
+    groups = _groups_of(group_name)
+    count = len(groups[0])
+    if len(set(input_split_sizes)) > 1 or list(input_split_sizes) != list(output_split_sizes):
+        raise RuntimeError(f"all_to_all with unequal splits {list(input_split_sizes)} cannot lower to HLO all-to-all")
+    device = str(x.device)
+    token = torch_xla._XLAC._get_all_reduce_token(device)
+    out, token = torch_xla._XLAC._xla_all_to_all(x, token, 0, 0, count, groups, True)
+    torch_xla._XLAC._set_all_reduce_token(device, token)
+    return out
 
 
 def _wait(x: torch.Tensor) -> torch.Tensor:
@@ -259,5 +283,6 @@ def _install_collectives() -> None:
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
             lib.impl("all_reduce", _all_reduce, "XLA")
             lib.impl("all_gather_into_tensor", _all_gather, "XLA")
+            lib.impl("all_to_all_single", _all_to_all, "XLA")
             lib.impl("wait_tensor", _wait, "XLA")
         _LIB = lib

@@ -1,0 +1,81 @@
+"""Ulysses sequence parallelism for the denoiser: each of U ranks runs the blocks on 1/U of the tokens.
+
+What one rank of a Ulysses group does with the whole step's inputs (every rank gets the same latents and
+text, so latents stay identical everywhere):
+- pad the image tokens N and the text tokens T to multiples of U (zeros; padding keys are masked out, padding
+  queries are dropped at the end), and take this rank's contiguous chunk of each, chosen by `sp_rank` (a
+  graph input: one graph serves every rank) - and the matching chunks of the RoPE tables;
+- run the input projections, blocks and output projection on its chunk; inside each attention
+  (JointAttention.exchange) one all-to-all gives every rank all tokens of 1/U of the heads, and one back;
+- gather the output projection's image tokens from every rank (`gather`, set by qic.parallel.sequence) and
+  drop the padding.
+
+Key order. A rank's chunk is [its text tokens | its image tokens], so after the all-to-all the keys are in
+rank-interleaved order [txt_0 | img_0 | txt_1 | img_1 | ...], not [text | image]: the key-padding mask is
+built in that order (`interleaved_key_mask`). Attention is invariant to the order of its keys, so with the
+matching mask the result is exact: xDiT passes no mask under sequence parallelism and attends to padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def padded(n: int, size: int) -> int:
+    return -(-n // size) * size
+
+
+def interleaved_key_mask(txt_valid: torch.Tensor, img_valid: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, T_pad] and [B, N_pad] bool -> [B, T_pad + N_pad] in the all-to-all's key order: rank by rank, that
+    rank's text chunk then its image chunk."""
+    b = txt_valid.shape[0]
+    return torch.cat([txt_valid.unflatten(1, (size, -1)), img_valid.unflatten(1, (size, -1))], 2).reshape(b, -1)
+
+
+def _chunk(x: torch.Tensor, dim: int, size: int, rank: torch.Tensor) -> torch.Tensor:
+    """This rank's contiguous 1/size of dim (which divides), selected by a [1] int64 tensor."""
+    return x.unflatten(dim, (size, -1)).index_select(dim, rank).squeeze(dim)
+
+
+def _pad_tokens(x: torch.Tensor, to: int) -> torch.Tensor:
+    """Pad dim 1 of [B, S, ...] (or dim 0 of a [S, ...] table) with zeros to `to` rows."""
+    return x if x.shape[-2] == to else F.pad(x, (0, 0, 0, to - x.shape[-2]))
+
+
+class UlyssesShard(nn.Module):
+    """Runs a QwenMMDiT's forward on this rank's tokens; same signature plus `sp_rank`, same output."""
+
+    gather = None   # [B, n, C] -> [size, B, n, C]: every rank's chunk, set by qic.parallel.sequence
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def forward(self, mmdit, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
+                rope_cos, rope_sin, sp_rank):
+        u = self.size
+        b, n_img = hidden_states.shape[:2]
+        n_txt = encoder_hidden_states.shape[1]
+        n_img_p, n_txt_p = padded(n_img, u), padded(n_txt, u)
+        if encoder_hidden_states_mask is None:
+            txt_valid = torch.ones(b, n_txt, dtype=torch.bool, device=hidden_states.device)
+        else:
+            txt_valid = encoder_hidden_states_mask.to(torch.bool)
+        txt_valid = F.pad(txt_valid, (0, n_txt_p - n_txt), value=False)
+        img_valid = (torch.arange(n_img_p, device=hidden_states.device) < n_img).expand(b, n_img_p)
+        mask = interleaved_key_mask(txt_valid, img_valid, u)[:, None, None, :]
+
+        img = _chunk(_pad_tokens(hidden_states, n_img_p), 1, u, sp_rank)
+        txt = _chunk(_pad_tokens(encoder_hidden_states, n_txt_p), 1, u, sp_rank)
+
+        def table(t):   # [T + N, D/2] in [text | image] order -> this rank's [text chunk | image chunk]
+            return torch.cat([_chunk(_pad_tokens(t[:n_txt], n_txt_p), 0, u, sp_rank),
+                              _chunk(_pad_tokens(t[n_txt:], n_img_p), 0, u, sp_rank)], 0)
+
+        img, txt, temb = mmdit.embed(img, txt, timestep)
+        img, _ = mmdit.blocks(img, txt, temb, mask, table(rope_cos), table(rope_sin))
+        out = mmdit.output(img, temb)                              # [B, N_pad / U, C]: this rank's tokens
+        out = self.gather(out)                                     # [U, B, N_pad / U, C]
+        return out.movedim(0, 1).reshape(b, n_img_p, out.shape[-1])[:, :n_img]

@@ -1,0 +1,149 @@
+"""More ranks per image (issue 22): CFG-parallel and Ulysses sequence parallelism beside TP.
+
+Every layout's image against TP 1 and diffusers on the tiny random checkpoint (sensitive weights), with an odd
+text length (bucket 129: 95 tokens) and an image token count that 2 does not divide (48x80: 15 tokens), so
+Ulysses pads both streams. The denoise loop runs eagerly through qic's own step graphs (EagerModel with the
+layout: each rank its TP shard, the mesh's collectives over gloo on loopback); one layout is also built and run
+compiled through the CLI; the lowered HLO is checked on XLA:CPU devices, and its collective bytes against
+`qic plan`'s.
+
+Bounds: every layout computes the same fp32 arithmetic as TP 1 on the same weights, reordered (sums split
+over TP ranks, attention over keys in another order, padding keys masked to exactly zero weight), so images
+differ by a few fp32 ulps before rounding to 8 bits: at most 1/255 (a rounding flip), far inside the issue's
+2/255 (mean <= 0.02). A mask in the wrong key order or a missing gather moves the image by much more.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from qic.parallel.mesh import Layout
+from qic.parallel.tp import spawn
+from tests.conftest import TINY_RES, diffusers_image, image_diff, pixels, qic
+from tests.test_neuron_xla import XLA_PYTHON, xla
+
+PROMPT, STEPS, SEED = "a small red cube", 4, 5
+BUCKET = 129
+LAYOUTS = [Layout(1, 1, 2), Layout(1, 2, 1), Layout(2, 2, 1), Layout(2, 1, 2), Layout(1, 2, 2)]
+MAX_PIXEL, MEAN_PIXEL = 2, 0.02 * 255            # the issue's bound (2/255, mean 0.02), in 0..255 pixel units
+
+
+def _image(root: str, layout: Layout | None, rank: int, guidance: float, broken: str | None = None):
+    import qic.models.ulysses as U
+    import qic.parallel.sequence as S
+    from qic.builder.eager import EagerModel
+    from qic.runtime.generate import Request, generate
+    if broken == "key order":      # the mask in [text | image] order, not the all-to-all's interleaved one
+        U.interleaved_key_mask = lambda txt, img, size: __import__("torch").cat([txt, img], 1)
+    elif broken == "no gather":    # each rank's own tokens repeated where the others' should be
+        S.StackGather.__call__ = lambda self, x: x.unsqueeze(0).expand(self.size, *x.shape)
+    model = EagerModel(root, [TINY_RES], [BUCKET], layout=layout, rank=rank)
+    req = Request(PROMPT, steps=STEPS, seed=SEED, guidance=guidance, height=TINY_RES[0], width=TINY_RES[1])
+    return pixels(generate(model, req).image)
+
+
+def _rank(rank: int, world: int, root: str, layout: Layout, guidance: float, broken: str | None):
+    return _image(root, layout, rank, guidance, broken)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_ckpt):
+    """TP 1 (eager, qic's graphs) and diffusers, at guidance 4 (true CFG) and 1 (no CFG)."""
+    out = {}
+    for g in (4.0, 1.0):
+        out[("tp1", g)] = _image(str(tiny_ckpt), None, 0, g)
+        out[("diffusers", g)] = pixels(diffusers_image(tiny_ckpt, PROMPT, guidance=g, seed=SEED, steps=STEPS))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.describe().replace(" ", ""))
+def test_layout_matches_tp1_and_diffusers(layout, tiny_ckpt, references):
+    images = spawn(_rank, layout.world, str(tiny_ckpt), layout, 4.0, None)
+    for img in images[1:]:
+        assert np.array_equal(img, images[0]), "ranks drew different images: latents diverged"
+    for ref in ("tp1", "diffusers"):
+        worst, mean = image_diff(images[0], references[(ref, 4.0)])
+        print(f"{layout.describe()} vs {ref}: mean {mean:.5f} max {worst:.5f}")
+        assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (ref, mean, worst)
+    worst, mean = image_diff(references[("tp1", 4.0)], references[("tp1", 1.0)])
+    assert worst > 10 * MAX_PIXEL, "guidance does not change the image: the check cannot tell layouts apart"
+
+
+def test_cfg_parallel_without_cfg_idles_group_1_and_matches(tiny_ckpt, references):
+    """Guidance 1: one prediction a step. CFG group 1 idles through the loop (nothing of its own to compute),
+    then takes group 0's latents: both ranks draw TP 1's no-CFG image."""
+    images = spawn(_rank, 2, str(tiny_ckpt), Layout(1, 1, 2), 1.0, None)
+    for img in images:
+        for ref in ("tp1", "diffusers"):
+            worst, mean = image_diff(img, references[(ref, 1.0)])
+            assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (ref, mean, worst)
+
+
+@pytest.mark.parametrize("broken", ["key order", "no gather"])
+def test_wrong_key_order_or_missing_gather_breaks_the_bound(broken, tiny_ckpt, references):
+    image = spawn(_rank, 2, str(tiny_ckpt), Layout(1, 2, 1), 4.0, broken)[0]
+    worst, mean = image_diff(image, references[("tp1", 4.0)])
+    print(f"{broken}: mean {mean:.4f} max {worst:.4f}")
+    assert worst > MAX_PIXEL and mean > MEAN_PIXEL / 4, (mean, worst)
+
+
+def test_compiled_ulysses_x_cfg_parallel_bundle_runs_as_tp1(bundle, workdir, cache_dir, tiny_ckpt, tmp_path):
+    """Built and run through the CLI (world 4: Ulysses 2 x CFG-parallel 2, TP 1; the text encoder and VAE
+    graphs come from the session bundle's cache entries): the manifest's layout, four ranks started by
+    `qic run`, the image equal to the TP 1 bundle's."""
+    out = workdir / "bundle-u2-cfg2"
+    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--resolution",
+        "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--ulysses", "2", "--cfg-parallel")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["layout"] == {"tp": 1, "ulysses": 2, "cfg": 2, "world": 4}
+    step = next(g for g in manifest["graphs"] if g["component"] == "denoiser")
+    assert [i["name"] for i in step["inputs"]][-2:] == ["cfg_rank", "sp_rank"]
+    args = ("--prompt", PROMPT, "--steps", STEPS, "--seed", SEED)
+    qic("run", out, *args, "--output", tmp_path / "mesh.png")
+    qic("run", bundle, *args, "--output", tmp_path / "tp1.png")
+    worst, mean = image_diff(Image.open(tmp_path / "mesh.png"), Image.open(tmp_path / "tp1.png"))
+    assert worst <= 1 and mean <= MEAN_PIXEL / 10, (mean, worst)
+    bad = qic("run", out, *args, "--tp", "2", "--output", tmp_path / "x.png", check=False)
+    assert bad.returncode == 2 and "--tp 2 asked for, but the bundle was built for tp=1" in bad.stderr
+
+
+def test_refused_combinations_name_them(tiny_ckpt, tmp_path):
+    cases = [(("--ulysses", "3"), "ulysses 3 does not divide the 4 attention heads"),
+             (("--ulysses", "2", "--tp", "4"), "ulysses 2 does not divide the 1 attention heads"),
+             (("--cfg-parallel", "--step-cache", "1,0"), "step_cache with TP 1 x CFG-parallel 2"),
+             (("--ulysses", "0"), "ulysses must be a positive integer")]
+    for flags, message in cases:
+        proc = qic("build", "--model", tiny_ckpt, "--output", tmp_path / "x", "--cache-dir", tmp_path / "c",
+                   *flags, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) <= 2, proc.stderr   # one line, and its fix
+
+
+@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="make xla-env builds the lowering environment")
+@pytest.mark.parametrize("layout", [Layout(2, 2, 1), Layout(1, 2, 2), Layout(1, 1, 2)],
+                         ids=lambda lay: lay.describe().replace(" ", ""))
+def test_lowered_layout_on_xla_cpu_and_plan_bytes(layout):
+    """The step graph lowered to HLO: all-to-all on the Ulysses groups, all-gathers on the CFG (and Ulysses)
+    groups, all-reduces on the TP groups, no host transfer; executed on world XLA:CPU devices it equals TP 1
+    eager; and the bytes of every collective kind equal `qic plan`'s count from fake tensors."""
+    from qic.builder.components import COMPONENTS
+    from qic.builder.memplan import step_traffic
+    from qic.checkpoint import presets
+    proc = xla("-m", "benchmarks.xla_lowering", "layout", layout.tp, layout.ulysses, layout.cfg,
+               env={"CPU_NUM_DEVICES": str(layout.world)})
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert min(r["cos"]) >= 0.99999 and r["host_transfers"] == 0, r
+    groups = {k: [json.loads(v)] for k, v in r["expected_groups"].items()}
+    assert [json.loads(g) for g in r["replica_groups"]["all-to-all"]] == (groups["sp"] if layout.ulysses > 1 else [])
+    assert [json.loads(g) for g in r["replica_groups"]["all-reduce"]] == (groups["tp"] if layout.tp > 1 else [])
+    gathers = [json.loads(g) for g in r["replica_groups"]["all-gather"]]
+    for axis, used in (("cfg", layout.cfg > 1), ("sp", layout.ulysses > 1), ("tp", layout.tp > 1)):
+        assert (groups[axis][0] in gathers) == used, (axis, gathers)
+    p = presets.preset("tiny")
+    configs = {name: COMPONENTS[name].parse_config(p[c.folder]) for name, c in COMPONENTS.items()}
+    plan = step_traffic(configs, layout, "float32", {"resolution": list(TINY_RES), "bucket": BUCKET})
+    assert {k: plan[k] for k in r["collective_bytes"]} == r["collective_bytes"], (plan, r["collective_bytes"])
