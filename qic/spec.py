@@ -233,6 +233,10 @@ def _layout_combinations(spec: BuildSpec, at) -> None:
                           "build step caching and the parallel layouts as separate bundles")
     if "denoiser" not in spec.components:
         raise ConfigError(f"{at(key)}: {key} splits the denoiser, but components leave the denoiser out")
+    if spec.ulysses > 1 and 0 in spec.text_buckets:
+        raise ConfigError(f"{at('ulysses')}: ulysses with exact-length text (text bucket 0) is not supported: "
+                          "Ulysses pads the text to a multiple of U, which one graph over a dynamic length cannot "
+                          "express", "use fixed text buckets (e.g. 128,256) with ulysses")
     if spec.cfg_parallel and True not in spec.cfg:
         raise ConfigError(f"{at('cfg_parallel')}: cfg_parallel splits the true-CFG step, but cfg builds only the "
                           "no-CFG graph", "add true to cfg, or drop cfg_parallel")

@@ -44,6 +44,8 @@ SMOKES = {
     "package_gap": (420, [r"\| (inproc|inproc_cpp|package) \| [\d.]+ s \| [\d.]+x \| [\d.e+-]+ \|"] * 3),
     "step_profile": (420, [r"\| (matmul|attention|fused|other|step) \| [\d.]+ \| .*"] * 5),
     "tp": (300, [r"\| (tp1|tp1-half-threads|tp2|tp2-noreduce) \| [12] x [12] \| [\d.]+ \| .*"] * 4),
+    "layouts": (300, [r"\| TP 1 \(world 1\) \| 1 x \d+ \| [\d.]+ \| .*",
+                      r"\| TP 1 x Ulysses 2 \(world 2\) \| 2 x \d+ \| [\d.]+ \| .*"]),
     "xla_lowering": (300, [r"\{.*\}"]),
     "shard": (300, [r"\| qic stage 1, TP=2, bf16 \| [\d.]+ \| .*", r".*check: rank 1: 3 tensors equal"]),
     "cpu_target": (300, [r"\| x86-64-v3 \| [\d.]+ \| [\d.]+ \| - \| (0|-) \| [\d.e+-]+ \| \d+ \|"]),

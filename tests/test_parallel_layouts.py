@@ -16,14 +16,17 @@ differ by a few fp32 ulps before rounding to 8 bits: at most 1/255 (a rounding f
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from qic.parallel.mesh import Layout
-from qic.parallel.tp import spawn
-from tests.conftest import TINY_RES, diffusers_image, image_diff, pixels, qic
+from qic.parallel.tp import free_port, spawn
+from tests.conftest import ROOT, TINY_RES, diffusers_image, image_diff, pixels, qic
 from tests.test_neuron_xla import XLA_PYTHON, xla
 
 PROMPT, STEPS, SEED = "a small red cube", 4, 5
@@ -50,6 +53,16 @@ def _rank(rank: int, world: int, root: str, layout: Layout, guidance: float, bro
     return _image(root, layout, rank, guidance, broken)
 
 
+def _batch_rank(rank: int, world: int, root: str, layout: Layout):
+    """Two requests as one batch of 2 (the @B2 step graph), each its own prompt, seed and guidance."""
+    from qic.builder.eager import EagerModel
+    from qic.runtime.generate import Request, generate_batch
+    model = EagerModel(root, [TINY_RES], [BUCKET], layout=layout, rank=rank)
+    reqs = [Request(PROMPT, steps=STEPS, seed=SEED, guidance=4.0), Request("a blue sphere", steps=STEPS, seed=9,
+                                                                           guidance=3.0)]
+    return [pixels(r.image) for r in generate_batch(model, reqs)]
+
+
 @pytest.fixture(scope="module")
 def references(tiny_ckpt):
     """TP 1 (eager, qic's graphs) and diffusers, at guidance 4 (true CFG) and 1 (no CFG)."""
@@ -71,6 +84,18 @@ def test_layout_matches_tp1_and_diffusers(layout, tiny_ckpt, references):
         assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (ref, mean, worst)
     worst, mean = image_diff(references[("tp1", 4.0)], references[("tp1", 1.0)])
     assert worst > 10 * MAX_PIXEL, "guidance does not change the image: the check cannot tell layouts apart"
+
+
+def test_batch_of_two_under_tp2_x_cfg_parallel_matches_each_image_alone(tiny_ckpt, references):
+    """A batch splits nothing across images: each CFG group computes its branch's rows of both images."""
+    images = spawn(_batch_rank, 4, str(tiny_ckpt), Layout(2, 1, 2))[0]
+    alone = _batch_rank(0, 1, str(tiny_ckpt), Layout())
+    for got, want in zip(images, alone):
+        worst, mean = image_diff(got, want)
+        assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (mean, worst)
+    worst, _ = image_diff(images[0], references[("tp1", 4.0)])
+    assert worst <= MAX_PIXEL
+    assert image_diff(images[0], images[1])[0] > 10 * MAX_PIXEL   # two different images, not one twice
 
 
 def test_cfg_parallel_without_cfg_idles_group_1_and_matches(tiny_ckpt, references):
@@ -107,15 +132,37 @@ def test_compiled_ulysses_x_cfg_parallel_bundle_runs_as_tp1(bundle, workdir, cac
     qic("run", bundle, *args, "--output", tmp_path / "tp1.png")
     worst, mean = image_diff(Image.open(tmp_path / "mesh.png"), Image.open(tmp_path / "tp1.png"))
     assert worst <= 1 and mean <= MEAN_PIXEL / 10, (mean, worst)
+    # Under torchrun each process is one rank of the layout's world.
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                str(free_port()), "-m", "qic.cli", "run", str(out), *map(str, args), "--output",
+                str(tmp_path / "torchrun.png")]
+    proc = subprocess.run(torchrun, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Image.open(tmp_path / "torchrun.png").tobytes() == Image.open(tmp_path / "mesh.png").tobytes()
     bad = qic("run", out, *args, "--tp", "2", "--output", tmp_path / "x.png", check=False)
     assert bad.returncode == 2 and "--tp 2 asked for, but the bundle was built for tp=1" in bad.stderr
+    # qic serve starts the same four ranks and answers with the PNG qic run writes.
+    from tests.test_serve import STEPS as SERVE_STEPS
+    from tests.test_serve import ServeProcess, gen, png_of
+    srv = ServeProcess(out, tmp_path / "serve.log")
+    try:
+        status, _, body = gen(srv.port, seed=SEED)
+        assert status == 200, body
+    finally:
+        srv.close()
+    qic("run", out, "--prompt", "a red bicycle", "--steps", SERVE_STEPS, "--seed", SEED, "--output",
+        tmp_path / "served-as-run.png")
+    assert png_of(body) == (tmp_path / "served-as-run.png").read_bytes()
 
 
 def test_refused_combinations_name_them(tiny_ckpt, tmp_path):
     cases = [(("--ulysses", "3"), "ulysses 3 does not divide the 4 attention heads"),
              (("--ulysses", "2", "--tp", "4"), "ulysses 2 does not divide the 1 attention heads"),
              (("--cfg-parallel", "--step-cache", "1,0"), "step_cache with TP 1 x CFG-parallel 2"),
-             (("--ulysses", "0"), "ulysses must be a positive integer")]
+             (("--ulysses", "0"), "ulysses must be a positive integer"),
+             (("--ulysses", "2", "--text-buckets", "0"), "ulysses with exact-length text (text bucket 0)"),
+             (("--cfg-parallel", "--components", "text_encoder"), "cfg_parallel splits the denoiser")]
     for flags, message in cases:
         proc = qic("build", "--model", tiny_ckpt, "--output", tmp_path / "x", "--cache-dir", tmp_path / "c",
                    *flags, check=False)

@@ -30,7 +30,7 @@ _WRONG = {"bool": ['"false"', '"true"', "1", "0", "null", "[true]"],
           "str": ["5", "[a]", "true"]}
 _LIST_KEYS = ("resolutions", "components", "cache_public_keys", "loras")
 _INT_LIST_KEYS = ("text_buckets", "batch_sizes")
-_INT_KEYS = ("tp", "lnc", "text_bucket_step")
+_INT_KEYS = ("tp", "lnc", "text_bucket_step", "ulysses")
 _STR_KEYS = ("output", "cache_dir", "model", "cache_from", "cpu_target")
 
 
@@ -43,7 +43,7 @@ def _kind(key: str) -> str | None:
 
 def test_the_table_covers_every_boolean_key_of_the_spec():
     # Derived from the dataclass, so a new boolean key is in the table below without anyone adding it.
-    assert {k for k, t in _FIELDS.items() if t == "bool"} == {"full_hash", "xla_check", "cache_trusted"}
+    assert {k for k, t in _FIELDS.items() if t == "bool"} == {"full_hash", "xla_check", "cache_trusted", "cfg_parallel"}
 
 
 @pytest.mark.parametrize("key,value", [(k, v) for k in [*_FIELDS, "text_bucket_step"] if _kind(k)

@@ -153,22 +153,25 @@ def test_threshold_zero_is_the_uncached_image_and_a_mask_replays_decisions(fbc_b
     assert np.array_equal(np.asarray(masked), np.asarray(cached))
 
 
-def test_first_block_cache_matches_diffusers_on_the_trained_model(shapes_ckpt, shapes_pipe):
-    """The trained model, eagerly through the bundle's own graph modules (qic.builder.eager: no compile; the
-    compiled split graphs are checked against diffusers above and against cache-dit below), 20 steps."""
-    from qic.builder.eager import EagerModel
-    from qic.runtime.generate import Request, generate
-    model = EagerModel(shapes_ckpt, [SHAPES_RES], [128], step_cache=(1, 0))
+def test_first_block_cache_matches_diffusers_on_the_trained_model(shapes_bundle, workdir, cache_dir, shapes_pipe,
+                                                                  tmp_path):
+    """The trained model (4 blocks), compiled with FirstBlockCache's split: its text encoder, whole step and
+    decoder are the default build's (cache hits), four split graphs are new. 20 steps."""
+    out = workdir / "bundle-shapes-fbc"
+    qic("build", "--cache-dir", cache_dir, "--output", out, "--resolution", "{}x{}".format(*SHAPES_RES),
+        "--step-cache", "1,0")
     threshold, steps = 0.3, 20
     ref, ref_computed = fbc_reference(shapes_pipe, threshold, PROMPT_SHAPES, steps, *SHAPES_RES)
-    result = generate(model, Request(PROMPT_SHAPES, steps=steps, guidance=4.0, seed=0, cache_threshold=threshold))
-    got = dict(zip(("cond", "uncond"), result.computed))
+    image, _ = _qic_run(out, tmp_path, "fbc-shapes", "--cache-threshold", threshold, prompt=PROMPT_SHAPES,
+                        steps=steps)
+    got = _computed(image)
     print("qic:", got, "diffusers:", ref_computed)
     assert got == ref_computed and 1 < len(got["cond"]) < steps
-    worst, mean = image_diff(result.image, ref)
+    worst, mean = image_diff(image.convert("RGB"), ref)
     print(f"trained model, FirstBlockCache {threshold}: max {worst:.0f}/255, mean {mean / 255:.5f}")
     assert worst <= 2 and mean / 255 <= 0.02
-    assert shapes.means(np.asarray(result.image), PROMPT_SHAPES), shapes.read_image(np.asarray(result.image))
+    drawn = np.asarray(image.convert("RGB"))
+    assert shapes.means(drawn, PROMPT_SHAPES), shapes.read_image(drawn)
 
 
 # ------------------------------------------------------------------------------------------ DBCache

@@ -3,6 +3,7 @@ the shard's shapes when there are no weights (qic warm compiles from configs alo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -69,11 +70,11 @@ def fake_world(layout) -> None:
     if dist.is_initialized():
         if dist.get_backend() == "fake" and _FAKE.get("layout") != layout:
             dist.destroy_process_group()  # our own tracing group for another layout (a warm matrix)
-        elif dist.get_backend() != "fake":
+        elif dist.get_backend() != "fake" and dist.get_world_size() != world:
             raise ConfigError(f"a process group of {dist.get_world_size()} ranks is active; building for "
                               f"{layout.describe()} needs none (build from a plain process)")
         else:
-            return
+            return   # our fake world for this layout, or a real one of its size (the mesh joined by the caller)
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     if not layout.plain:
@@ -82,6 +83,21 @@ def fake_world(layout) -> None:
 
 
 _FAKE: dict = {}   # the layout our fake tracing world was made for
+
+
+@contextlib.contextmanager
+def fake_world_for(layout):
+    """fake_world for the block's duration only: a world this made is destroyed after it, so that estimating a
+    plan in a process (qic plan through the CLI runner, tests) leaves no process group behind."""
+    import torch.distributed as dist
+    made = not dist.is_initialized()
+    fake_world(layout)
+    try:
+        yield
+    finally:
+        if made and dist.is_initialized():
+            dist.destroy_process_group()
+            _FAKE.clear()
 
 
 def compile_job(job, ctx: Context, backend, weights_path: Path | None = None, remote=None, sign=None):

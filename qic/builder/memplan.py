@@ -19,6 +19,7 @@ eagerly, holds one layer's activations at a time).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -173,14 +174,17 @@ def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: di
                    layout=None) -> tuple[int, int, int]:
     """(input bytes, largest activation, activation peak) of one graph, on fake tensors. Under a parallel
     layout the denoiser's step runs with its real collectives on a fake process group (Ulysses' shards)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from qic.builder.binding import fake_world_for
     from qic.parallel.mesh import Layout
     layout = layout if layout is not None and component == "denoiser" else Layout()
-    if not layout.plain:
-        from qic.builder.binding import fake_world
-        from qic.parallel.sequence import apply_layout
-        fake_world(layout)
+    with fake_world_for(layout) if not layout.plain else contextlib.nullcontext():
+        return _estimate(component, configs, tp, dtype, shape, layout)
+
+
+def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, layout) -> tuple[int, int, int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qic.parallel.sequence import apply_layout
     comp = COMPONENTS[component]
     dtype = comp.fixed_dtype or dtype
     default = torch.get_default_dtype()
@@ -230,9 +234,8 @@ def step_traffic(configs: dict, layout, dtype: str, shape: dict) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from qic.builder.binding import fake_world
+    from qic.builder.binding import fake_world_for
     from qic.parallel.sequence import apply_layout
-    fake_world(layout)
     layers = configs["denoiser"].num_layers
 
     def measure(n: int) -> dict:
@@ -251,7 +254,8 @@ def step_traffic(configs: dict, layout, dtype: str, shape: dict) -> dict:
                 gdef.module(*[t for _, t in gdef.inputs])
         return {"flops": flops.get_total_flops(), **counter.bytes}
 
-    one, two = measure(1), measure(2)
+    with fake_world_for(layout):
+        one, two = measure(1), measure(2)
     return {k: one[k] + (layers - 1) * (two[k] - one[k]) for k in one}
 
 

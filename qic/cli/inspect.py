@@ -9,6 +9,7 @@ from rich.table import Table
 
 from qic.backends import loader
 from qic.manifest import check_compatible, read_manifest, verify_files
+from qic.parallel.mesh import AXES, Layout
 from qic.verified import VerificationCache
 
 
@@ -25,6 +26,10 @@ def run_inspect(bundle: str, full: bool = False) -> None:
               f"back end {manifest['backend']['backend']} on {manifest['device']}, tp {manifest['tp']}")
     resolutions = ", ".join("{}x{}".format(*r) for r in manifest["resolutions"])
     out.print(f"dtypes {manifest['dtypes']}; resolutions {resolutions}; text buckets {manifest['text_buckets']}")
+    layout = Layout.of_manifest(manifest)
+    if not layout.plain:
+        groups = "; ".join(f"{a} groups {layout.groups(a)}" for a in AXES if layout.size(a) > 1)
+        out.print(f"layout {layout.describe()}: rank = (cfg * {layout.ulysses} + sp) * {layout.tp} + tp; {groups}")
     if manifest.get("step_cache"):
         sc = manifest["step_cache"]
         out.print(f"step caching: split graphs, first {sc['first']} and last {sc['last']} blocks always computed "
