@@ -7,7 +7,8 @@
 A synthetic Qwen-Image denoiser (diffusers layout, `--heads` x `--head-dim` wide, `--layers` blocks) in qic's
 step graph (qic.builder.graphs.denoiser_graph: true CFG, norm rescale, Euler) at `--size` px square and a
 text bucket of `--bucket` (the denoiser sees bucket - 34 tokens), eager fp32 by default (`--compiled`: one
-AOTInductor package per layout, compiled on rank 0 and run by every rank). Each layout runs in fresh
+AOTInductor package per layout, compiled as `qic build` does, in a process of its own on a fake process
+group, and run by every rank). Each layout runs in fresh
 processes on loopback with gloo, the machine's cores split between its ranks (at least one thread each: a
 world larger than the cores oversubscribes them). The table gives rank 0's median seconds per step (after a
 barrier) and the next latents' rel-L2 against TP 1. On a 2-core machine this proves the layouts run and
@@ -74,7 +75,7 @@ def _rank(rank: int, world: int, spec: dict, layout) -> dict:
     join(layout)
     g, inputs = _step(spec, layout, rank)
     if spec["compiled"]:
-        run = _compiled(rank, g, inputs, Path(spec["workdir"]) / f"layout-{layout.tp}-{layout.ulysses}-{layout.cfg}")
+        run = _compiled(rank, g, inputs, _work(spec, layout))
     else:
         def run():
             with torch.no_grad():
@@ -90,24 +91,31 @@ def _rank(rank: int, world: int, spec: dict, layout) -> dict:
     return {"times": times, "out": out if rank == 0 else None}
 
 
-def _compiled(rank: int, g, inputs, work: Path):
-    """Rank 0 traces and compiles (qic's inductor back end: weights as inputs); every rank loads the package."""
+def compile_layout(spec: dict, layout, work: Path) -> None:
+    """As `qic build` compiles: in a process of its own with a fake process group of the layout's world (rank 0's
+    graph; only weights and rank inputs differ between ranks), qic's inductor back end, weights as inputs."""
     from qic.backends.inductor.build import InductorBackend
+    from qic.builder.binding import fake_world_for
+    from qic.weights import named_tensors
+    with fake_world_for(layout):
+        g, _ = _step(spec, layout, 0)
+        backend = InductorBackend("cpu")
+        work.mkdir(parents=True, exist_ok=True)
+        compiled = backend.compile(backend.trace(g, named_tensors(g.module)), work)
+    (work / "file").write_text(compiled.file)
+
+
+def _compiled(rank: int, g, inputs, work: Path):
+    """Every rank loads the package compile_layout made, with its own shard."""
     from qic.backends.inductor.load import load
     from qic.weights import named_tensors
     tensors = named_tensors(g.module)
-    done = work / "done"
-    if rank == 0:
-        work.mkdir(parents=True, exist_ok=True)
-        backend = InductorBackend("cpu")
-        compiled = backend.compile(backend.trace(g, tensors), work)
-        (work / "file").write_text(compiled.file)
-        done.write_text("ok")
-    else:
-        while not done.exists():
-            time.sleep(0.5)
     run = load(work / (work / "file").read_text(), [t.detach() for t in tensors.values()], "cpu")
     return lambda: run(list(inputs))[0]
+
+
+def _work(spec: dict, layout) -> Path:
+    return Path(spec["workdir"]) / f"layout-{layout.tp}-{layout.ulysses}-{layout.cfg}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compiled", action="store_true", help="AOTInductor packages instead of eager")
+    ap.add_argument("--layouts", help="TPxUxCFG,... (e.g. 1x1x1,2x1x1): the first is the reference; default all")
     args = parse_args(ap, argv, {"layers": 1, "heads": 4, "head_dim": 32, "size": 32, "bucket": 43, "steps": 1,
                                  "warmup": 0})
     from safetensors.torch import save_file
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     from qic.parallel.mesh import Layout
     from qic.parallel.tp import spawn
 
-    layouts = [Layout(*t) for t in (LAYOUTS if not args.smoke else LAYOUTS[:3:2])]
+    chosen = [tuple(int(v) for v in x.split("x")) for x in args.layouts.split(",")] if args.layouts else None
+    layouts = [Layout(*t) for t in (chosen or (LAYOUTS if not args.smoke else LAYOUTS[:3:2]))]
     raw = _config(args)
     raw["in_channels"], raw["out_channels"] = 64, 16     # the real latent packing: VAE z 16 x 2 x 2
     torch.manual_seed(0)
@@ -148,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             threads = max(1, cores // layout.world)
             t0 = time.perf_counter()
+            if args.compiled:
+                import multiprocessing
+                proc = multiprocessing.get_context("spawn").Process(target=compile_layout,
+                                                                    args=(spec, layout, _work(spec, layout)))
+                proc.start()
+                proc.join()
+                if proc.exitcode != 0:
+                    raise SystemExit(f"compiling the step graph for {layout.describe()} failed ({proc.exitcode})")
             out = spawn(_rank, layout.world, spec, layout, threads=threads, timeout=3600)
             results[layout] = (threads, out[0])
             print(f"  {layout.describe()}: done in {time.perf_counter() - t0:.0f} s", flush=True)
