@@ -31,3 +31,20 @@ def smoke_dir(name: str):
     tmp = tempfile.TemporaryDirectory(prefix=f"qic-smoke-{name}-")
     _TEMP_DIRS.append(tmp)
     return Path(tmp.name)
+
+
+def timed_ranks(run, rank: int, warmup: int, steps: int) -> dict:
+    """One rank's timing loop: `warmup` untimed calls, then `steps` timed ones, each after a barrier so the ranks
+    start together; rank 0 keeps its last output."""
+    import time
+
+    import torch.distributed as dist
+    for _ in range(warmup):
+        out = run()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    return {"times": times, "out": out if rank == 0 else None}

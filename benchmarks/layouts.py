@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import parse_args
+from benchmarks import parse_args, timed_ranks
 from benchmarks.tp import _config
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
@@ -69,7 +69,6 @@ def _step(spec: dict, layout, rank: int):
 
 
 def _rank(rank: int, world: int, spec: dict, layout) -> dict:
-    import torch.distributed as dist
 
     from qic.parallel.mesh import join
     join(layout)
@@ -80,15 +79,7 @@ def _rank(rank: int, world: int, spec: dict, layout) -> dict:
         def run():
             with torch.no_grad():
                 return g.module(*inputs)
-    for _ in range(spec["warmup"]):
-        out = run()
-    times = []
-    for _ in range(spec["steps"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - t0)
-    return {"times": times, "out": out if rank == 0 else None}
+    return timed_ranks(run, rank, spec["warmup"], spec["steps"])
 
 
 def compile_layout(spec: dict, layout, work: Path) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import parse_args
+from benchmarks import parse_args, timed_ranks
 
 
 def _config(args) -> dict:
@@ -58,7 +58,6 @@ def _inputs(cfg, rows: int, cols: int, text: int):
 
 
 def _rank(rank: int, tp: int, spec: dict) -> dict:
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     from qic.models.mmdit import MMDiTConfig, QwenMMDiT
@@ -79,15 +78,7 @@ def _rank(rank: int, tp: int, spec: dict) -> dict:
         def run():
             with torch.no_grad():
                 return module(*inputs)
-    for _ in range(spec["warmup"]):
-        out = run()
-    times = []
-    for _ in range(spec["steps"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - t0)
-    return {"times": times, "out": out if rank == 0 else None}
+    return timed_ranks(run, rank, spec["warmup"], spec["steps"])
 
 
 def _compiled(rank: int, module, inputs, work: Path):
