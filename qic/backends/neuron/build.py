@@ -97,7 +97,7 @@ class NeuronBackend(Backend):
                               "shapes; exact-length graphs have a dynamic text dimension)",
                               "use text buckets such as 128,256 instead of 0")
         tp = tp_size_of(gdef.module)
-        groups = getattr(gdef, "groups", None) or {"0": [list(range(tp))]}
+        groups = gdef.groups or {"0": [list(range(tp))]}   # plain TP: the world group
         lowered = self.lower(gdef.module, gdef.inputs, tensors, groups)
         # The ranks its collectives span: a graph without any (the VAE, a TP 1 step) checks on one device.
         collective = set(hlo_proto.opcodes(lowered.proto)) & COLLECTIVES
