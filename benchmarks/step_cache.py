@@ -1,7 +1,7 @@
 """Step caching: per-image time, steps computed and PSNR against the uncached image, qic and diffusers side by side.
 
     python -m benchmarks.step_cache [--models shapes,realwidth] [--steps 20,50] [--dir artifacts/step-cache]
-    python -m benchmarks.step_cache --plots-only     # redraw docs/img/step-cache.png from DIR/results.json
+    python -m benchmarks.step_cache --plots-only     # redraw docs/img/step-cache.png from docs/img/step-cache.json
     python -m benchmarks.step_cache --smoke          # the embedded tiny model, 48x80, 3 steps, into a temp dir
 
 In one run, per model (the trained embedded:shapes at 128x128; the real-width random checkpoint of
@@ -15,7 +15,8 @@ benchmarks.realwidth at --realwidth-depth blocks and 128x128; --smoke: the tiny 
 3. each image's time (qic: generate() in process; diffusers: the pipeline call; the same prompt, seed, true
    CFG 4 and negative prompt " ", fp32, this process's threads), the steps each branch computed and the PSNR
    against its own side's uncached image;
-4. a table and docs/img/step-cache.png (time against PSNR).
+4. a table and docs/img/step-cache.png (time against PSNR); the figures go to docs/img/step-cache.json, where a
+   run replaces only the rows of the models and step counts it measured.
 """
 
 from __future__ import annotations
@@ -239,18 +240,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default="artifacts/step-cache")
     ap.add_argument("--cache-dir", default="artifacts/cache")
     ap.add_argument("--img", default=str(REPO / "docs" / "img" / "step-cache.png"))
+    ap.add_argument("--results", default=None, help="the figures' JSON (default: beside --img)")
     ap.add_argument("--plots-only", action="store_true")
     args = parse_args(ap, argv, {"models": "tiny", "steps": "3", "dir": None, "img": None})
     work = Path(args.dir) if args.dir else smoke_dir("step_cache")
     img = Path(args.img) if args.img else work / "img" / "step-cache.png"
-    results = work / "results.json"
-    if args.plots_only:
-        rows = json.loads(results.read_text())
-    else:
+    # The figures behind the plot sit beside it (committed), so a run of one model or step count replaces
+    # only its own rows and the plot keeps the others; --smoke keeps its own in its temp dir.
+    results = Path(args.results) if args.results else img.with_suffix(".json")
+    rows = json.loads(results.read_text()) if results.exists() else []
+    if not args.plots_only:
         args.steps = [int(s) for s in args.steps.split(",")]
         work.mkdir(parents=True, exist_ok=True)
-        rows = [r for m in args.models.split(",") for r in bench_model(m, args, work)]
-        results.write_text(json.dumps(rows, indent=1))
+        new = [r for m in args.models.split(",") for r in bench_model(m, args, work)]
+        fresh = {(r["model"], r["steps"]) for r in new}
+        rows = [r for r in rows if (r["model"], r["steps"]) not in fresh] + new
+        rows.sort(key=lambda r: (r["model"] != "shapes", r["model"], r["steps"]))   # stable: settings keep order
+        results.parent.mkdir(parents=True, exist_ok=True)
+        tmp = results.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        tmp.replace(results)
     print(table(rows))
     print(f"wrote {plot(rows, img)}")
 
