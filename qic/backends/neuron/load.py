@@ -15,6 +15,7 @@ import torch
 
 from qic.backends.neuron import NEFF_FILE, PARAMS_FILE, RUN_DEVICES
 from qic.errors import BundleError
+from qic.parallel.mesh import Layout
 
 
 def check(bundle: Path, manifest: dict, device: str) -> None:
@@ -47,10 +48,13 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
     params = json.loads((folder / PARAMS_FILE).read_text())["params"]
     if device == "xla-cpu":
         if world > 1:
-            raise BundleError(f"{folder.parent.parent}: --device xla-cpu runs tp=1 neuron bundles only (one XLA:CPU "
-                              f"device per process; this one was built for tp={world})",
-                              "rebuild with --tp 1 to run it here; TP graphs are checked on XLA:CPU devices by qic's "
-                              "tests (tests/test_neuron_xla.py in its repository)")
+            # The layout, not just tp: a Ulysses or CFG-parallel bundle has world > tp.
+            built = Layout.of_manifest(manifest).describe() if manifest else f"world {world}"
+            raise BundleError(f"{folder.parent.parent}: --device xla-cpu runs one-rank neuron bundles only (one "
+                              f"XLA:CPU device per process; this one was built for {built})",
+                              "rebuild with no --tp, --ulysses or --cfg-parallel to run it here; multi-rank graphs "
+                              "are checked on XLA:CPU devices by qic's tests (tests/test_neuron_xla.py in its "
+                              "repository)")
         from qic.backends.neuron import xla_runtime
         return xla_runtime.load(Path(path), params, weights)
     check(folder.parent.parent, manifest or {}, device)
