@@ -13,13 +13,14 @@ XLA_STAMP := $(XLA_VENV)/.installed
 install: $(STAMP)
 
 # The neuron back end's lowering environment: torch 2.9 + torch-xla 2.9 (the index's torch 2.9 for x86_64
-# is the CUDA build, about 7 GB), kept apart from .venv. Idempotent like install.
+# is the CUDA build, about 7 GB), kept apart from .venv. Idempotent like install. --no-cache-dir: pip's cache
+# would keep a second copy of those wheels (GBs), and one CI run ran out of disk installing them.
 xla-env: $(XLA_STAMP)
 
 $(XLA_STAMP): pyproject.toml constraints-xla.txt
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(XLA_VENV)/bin/python -m pip install --quiet -c constraints-xla.txt torch torch-xla
+	$(XLA_VENV)/bin/python -m pip install --quiet --no-cache-dir -c constraints-xla.txt torch torch-xla
 	$(XLA_VENV)/bin/python -m pip install --quiet -c constraints-xla.txt -e .
 	touch $(XLA_STAMP)
 
@@ -45,7 +46,9 @@ run: install
 
 test: install xla-env workflow-lint
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q --durations=20   # the slowest 20, for whoever trims the suite next
+	# Two workers, each test file on one (its module fixtures built once): compiles, diffusers' eager runs and
+	# process starts overlap on two cores; the workers share the compile cache (tests/conftest.py cache_dir).
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20   # the slowest 20, for whoever trims next
 
 # Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.
 MATRIX ?= configs/warm/tiny.yaml

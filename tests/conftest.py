@@ -57,8 +57,18 @@ def verify_cache(tmp_path_factory) -> Path:
     return path
 
 
+def xdist_worker() -> str | None:
+    """The pytest-xdist worker this process is (`make test` runs the suite on two, `-n 2`), or None."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
 @pytest.fixture(scope="session")
-def cache_dir(workdir) -> Path:
+def cache_dir(workdir, tmp_path_factory) -> Path:
+    """The session's compile cache. The workers of one `pytest -n` run share it (in the run's temp root, the
+    parent of each worker's own): a graph one worker compiled is a hit for the other, and two builds of one
+    graph at once compile it once (qic's per-graph lock), as concurrent builds on one machine do."""
+    if xdist_worker():
+        return tmp_path_factory.getbasetemp().parent / "cache"
     return workdir / "cache"
 
 

@@ -7,7 +7,8 @@ nocfg, realwidth) build into the session's compile cache, so they compile only g
 `depth-sizes` and `sensitivity` modes run in full in tests/test_neuron_xla.py, its smoke runs `depth`.
 
 The smokes are mostly process starts, imports and single-threaded C++ compiles, so they run two at a time
-(a module fixture starts them, in the order below, when the first test asks); each test waits for its own.
+(one beside another xdist worker; a module fixture starts them, in the order below, when the first test
+asks); each test waits for its own.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, xdist_worker
 
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache")   # take --dir and --cache-dir
-PARALLEL = 2
+# Two lanes on two cores: two smokes at a time, or one beside the other xdist worker (`make test`'s -n 2), so the
+# seconds allowed below hold the same load either way.
+PARALLEL = 1 if xdist_worker() else 2
 
 # name -> (seconds allowed, lines it must print: regular expressions, each matching a whole line of its own).
 # The longest first, so that the two-wide queue ends together.

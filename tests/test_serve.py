@@ -174,7 +174,12 @@ def test_fake_runner_queue_full_is_429_with_retry_after_and_timeout_is_504():
         first = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 1})
         assert runner.started.wait(10)
         queued = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 2})
-        time.sleep(0.3)
+        # Until the second request is queued (a fixed sleep raced it on a loaded machine): then the queue is full.
+        scheduler = srv.server.config.app.state.scheduler
+        deadline = time.monotonic() + 10
+        while len(scheduler.pending) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         status, headers, body = request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 3})
         assert status == 429 and int(headers["retry-after"]) >= 1
         assert body["error"]["code"] == "rate_limit_exceeded"
