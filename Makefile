@@ -44,10 +44,10 @@ run: install
 	$(BIN)/qic build
 	$(BIN)/qic run artifacts/shapes --prompt "$(PROMPT)" --output artifacts/shapes.png
 
+# Two workers, each test file on one (its module fixtures built once): compiles, diffusers' eager runs and
+# process starts overlap on two cores; the workers share the compile cache (tests/conftest.py cache_dir).
 test: install xla-env workflow-lint
 	$(BIN)/python -m ruff check .
-	# Two workers, each test file on one (its module fixtures built once): compiles, diffusers' eager runs and
-	# process starts overlap on two cores; the workers share the compile cache (tests/conftest.py cache_dir).
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20   # the slowest 20, for whoever trims next
 
 # Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.

@@ -63,25 +63,56 @@ def xdist_worker() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def cache_dir(workdir, tmp_path_factory) -> Path:
-    """The session's compile cache. The workers of one `pytest -n` run share it (in the run's temp root, the
-    parent of each worker's own): a graph one worker compiled is a hit for the other, and two builds of one
-    graph at once compile it once (qic's per-graph lock), as concurrent builds on one machine do."""
+def shared_dir(workdir, tmp_path_factory) -> Path:
+    """Where the session's checkpoints, bundles and compile cache live: `workdir` in a plain run; under
+    xdist, one folder of the run's temp root (the parent of each worker's own) that both workers use."""
     if xdist_worker():
-        return tmp_path_factory.getbasetemp().parent / "cache"
-    return workdir / "cache"
+        path = tmp_path_factory.getbasetemp().parent / "shared"
+        path.mkdir(exist_ok=True)
+        return path
+    return workdir
+
+
+def made_once(shared: Path, name: str, make) -> object:
+    """`make(shared / name)` run by the first worker that asks, the others waiting on a lock and getting what it
+    returned (JSON: a path as a string, a build's stdout), so a session bundle is built once per run and every
+    test sees the same build, as in a plain run. A worker whose make failed leaves no record: the next retries."""
+    import json
+
+    from qic.fsutil import file_lock, write_bytes_atomic
+    record = shared / f"{name}.made.json"
+    with file_lock(shared / f"{name}.lock"):
+        if not record.exists():
+            write_bytes_atomic(record, json.dumps(make(shared / name)).encode())
+        return json.loads(record.read_text())
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(workdir) -> Path:
+def cache_dir(shared_dir) -> Path:
+    """The session's compile cache; under xdist both workers' (a graph one compiled is a hit for the other, and
+    two builds of one graph at once compile it once: qic's per-graph lock, as concurrent builds on one machine)."""
+    return shared_dir / "cache"
+
+
+def _checkpoint(shared_dir: Path, name: str, preset: str, **kw) -> Path:
     from qic.checkpoint.embedded import write_checkpoint
-    return write_checkpoint(workdir / "ckpt-tiny", "tiny", seed=0)
+    return Path(made_once(shared_dir, name, lambda out: str(write_checkpoint(out, preset, **kw))))
+
+
+def _build(shared_dir: Path, name: str, *args) -> tuple[Path, str]:
+    """`qic build ... --output SHARED/name`, once per run: (the bundle, the build's stdout)."""
+    stdout = made_once(shared_dir, name, lambda out: qic("build", *args, "--output", out).stdout)
+    return shared_dir / name, stdout
 
 
 @pytest.fixture(scope="session")
-def tiny_alt_ckpt(workdir) -> Path:
-    from qic.checkpoint.embedded import write_checkpoint
-    return write_checkpoint(workdir / "ckpt-tiny-alt", "tiny-alt", seed=0)
+def tiny_ckpt(shared_dir) -> Path:
+    return _checkpoint(shared_dir, "ckpt-tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_alt_ckpt(shared_dir) -> Path:
+    return _checkpoint(shared_dir, "ckpt-tiny-alt", "tiny-alt", seed=0)
 
 
 _PIPES: dict = {}
@@ -101,50 +132,40 @@ def diffusers_image(root: Path, prompt: str, negative_prompt: str | None = " ", 
 
 
 @pytest.fixture(scope="session")
-def bundle(workdir, cache_dir, tiny_ckpt) -> Path:
+def bundle(shared_dir, cache_dir, tiny_ckpt) -> Path:
     """The embedded model at one resolution and two text buckets, built through the CLI."""
-    out = workdir / "bundle"
-    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
-        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)))
-    return out
+    return _build(shared_dir, "bundle", "--model", tiny_ckpt, "--cache-dir", cache_dir,
+                  "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)))[0]
 
 
 @pytest.fixture(scope="session")
-def bundle_two_res(bundle, workdir, cache_dir, tiny_ckpt):
+def bundle_two_res(bundle, shared_dir, cache_dir, tiny_ckpt):
     """The same build plus a second resolution: (bundle path, the build's stdout)."""
-    out = workdir / "bundle-two-res"
-    proc = qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
-               "--resolution", "{}x{}".format(*TINY_RES), "--resolution", "{}x{}".format(*SECOND_RES),
-               "--text-buckets", ",".join(map(str, BUCKETS)))
-    return out, proc.stdout
+    return _build(shared_dir, "bundle-two-res", "--model", tiny_ckpt, "--cache-dir", cache_dir,
+                  "--resolution", "{}x{}".format(*TINY_RES), "--resolution", "{}x{}".format(*SECOND_RES),
+                  "--text-buckets", ",".join(map(str, BUCKETS)))
 
 
 @pytest.fixture(scope="session")
-def bundle_exact(bundle, workdir, cache_dir, tiny_ckpt) -> Path:
+def bundle_exact(bundle, shared_dir, cache_dir, tiny_ckpt) -> Path:
     """Exact-length text (dynamic text dimension) instead of buckets."""
-    out = workdir / "bundle-exact"
-    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
-        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "0")
-    return out
+    return _build(shared_dir, "bundle-exact", "--model", tiny_ckpt, "--cache-dir", cache_dir,
+                  "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "0")[0]
 
 
 @pytest.fixture(scope="session")
-def bundle_tp2(bundle, workdir, cache_dir, tiny_ckpt) -> Path:
+def bundle_tp2(bundle, shared_dir, cache_dir, tiny_ckpt) -> Path:
     """The embedded model built with --tp 2 (one resolution, one bucket); the VAE graph is shared."""
-    out = workdir / "bundle-tp2"
-    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2",
-        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,")
-    return out
+    return _build(shared_dir, "bundle-tp2", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--tp", "2",
+                  "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,")[0]
 
 
 @pytest.fixture(scope="session")
-def bundle_batch2(workdir, cache_dir, tiny_ckpt) -> Path:
+def bundle_batch2(shared_dir, cache_dir, tiny_ckpt) -> Path:
     """One resolution, bucket 128, batch sizes 1 and 2: the batch-1 graphs are the session bundle's
     (cache hits), so only the three @B2 graphs compile."""
-    out = workdir / "bundle-batch2"
-    qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out,
-        "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--batch-sizes", "1,2")
-    return out
+    return _build(shared_dir, "bundle-batch2", "--model", tiny_ckpt, "--cache-dir", cache_dir,
+                  "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--batch-sizes", "1,2")[0]
 
 
 # ---- the trained shapes model (issue 20) ---------------------------------------------------------------
@@ -153,28 +174,23 @@ SHAPES_RES = (128, 128)
 
 
 @pytest.fixture(scope="session")
-def shapes_ckpt(workdir) -> Path:
-    from qic.checkpoint.embedded import write_checkpoint
-    return write_checkpoint(workdir / "ckpt-shapes", "shapes")
+def shapes_ckpt(shared_dir) -> Path:
+    return _checkpoint(shared_dir, "ckpt-shapes", "shapes")
 
 
 @pytest.fixture(scope="session")
-def shapes_bundle(workdir, cache_dir) -> Path:
+def shapes_bundle(shared_dir, cache_dir) -> Path:
     """The default build exactly (`qic build` naming no model: embedded:shapes at its three resolutions), so
     tests/test_install.py's default builds are cache hits."""
-    out = workdir / "bundle-shapes"
-    qic("build", "--cache-dir", cache_dir, "--output", out)
-    return out
+    return _build(shared_dir, "bundle-shapes", "--cache-dir", cache_dir)[0]
 
 
 @pytest.fixture(scope="session")
-def shapes_bundle_batch2(shapes_bundle, workdir, cache_dir) -> Path:
+def shapes_bundle_batch2(shapes_bundle, shared_dir, cache_dir) -> Path:
     """The trained model at 128x128 with batch sizes 1 and 2 (the batch-1 graphs are the default build's), and
     step caching's split graphs for cache-dit's DBCache with Fn 2, Bn 1 (tests/test_step_cache.py)."""
-    out = workdir / "bundle-shapes-batch2"
-    qic("build", "--cache-dir", cache_dir, "--output", out, "--resolution", "{}x{}".format(*SHAPES_RES),
-        "--batch-sizes", "1,2", "--step-cache", "2,1")
-    return out
+    return _build(shared_dir, "bundle-shapes-batch2", "--cache-dir", cache_dir,
+                  "--resolution", "{}x{}".format(*SHAPES_RES), "--batch-sizes", "1,2", "--step-cache", "2,1")[0]
 
 
 @pytest.fixture(scope="session")
