@@ -45,7 +45,8 @@ run: install
 	$(BIN)/qic run artifacts/shapes --prompt "$(PROMPT)" --output artifacts/shapes.png
 
 # Two workers, each test file on one (its module fixtures built once): compiles, diffusers' eager runs and
-# process starts overlap on two cores; the workers share the compile cache (tests/conftest.py cache_dir).
+# process starts overlap on two cores; the workers share the compile cache and the session's checkpoints
+# and bundles, each made once (tests/conftest.py shared_dir, made_once).
 test: install xla-env workflow-lint
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20   # the slowest 20, for whoever trims next

@@ -69,7 +69,6 @@ def _step(spec: dict, layout, rank: int):
 
 
 def _rank(rank: int, world: int, spec: dict, layout) -> dict:
-
     from qic.parallel.mesh import join
     join(layout)
     g, inputs = _step(spec, layout, rank)

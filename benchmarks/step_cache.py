@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from benchmarks import parse_args, smoke_dir
+from qic.fsutil import write_bytes_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDANCE, SEED = 4.0, 0
@@ -256,10 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         fresh = {(r["model"], r["steps"]) for r in new}
         rows = [r for r in rows if (r["model"], r["steps"]) not in fresh] + new
         rows.sort(key=lambda r: (r["model"] != "shapes", r["model"], r["steps"]))   # stable: settings keep order
-        results.parent.mkdir(parents=True, exist_ok=True)
-        tmp = results.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        tmp.replace(results)
+        write_bytes_atomic(results, json.dumps(rows, indent=1).encode())
     print(table(rows))
     print(f"wrote {plot(rows, img)}")
 

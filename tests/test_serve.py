@@ -69,6 +69,13 @@ class FakeRunner:
         return [f"seed {r.seed}".encode() for r in reqs]
 
 
+def until(condition, deadline: float, what: str) -> None:
+    """Poll `condition` every 20 ms; fail with `what` once time.monotonic() passes `deadline`."""
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 class ThreadServer:
     """The app on uvicorn in a thread of this process, on a free loopback port."""
 
@@ -86,10 +93,7 @@ class ThreadServer:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
+        until(lambda: self.server.started, time.monotonic() + 10, "server did not start")
         return self
 
     def __exit__(self, *exc):
@@ -129,10 +133,7 @@ def test_fake_runner_gets_compatible_requests_batched_over_http():
         for body, queued in (({"prompt": "x", "n": 3, "seed": 0, "steps": 2}, 3),
                              ({"prompt": "x", "n": 2, "seed": 10, "steps": 5}, 5)):
             futs.append(pool.submit(request, srv.port, "POST", "/v1/images/generations", body))
-            deadline = time.monotonic() + 10
-            while len(scheduler.pending) < queued:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            until(lambda: len(scheduler.pending) >= queued, time.monotonic() + 10, f"{queued} images not queued")
         runner.gate.set()
         results = [f.result() for f in [first, *futs]]
     assert [s for s, _, _ in results] == [200, 200, 200]
@@ -154,14 +155,10 @@ def test_fake_runner_client_disconnect_cancels_queued_work():
                      headers={"Content-Type": "application/json"})
         scheduler = srv.server.config.app.state.scheduler
         deadline = time.monotonic() + 10
-        while len(scheduler.pending) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until(lambda: len(scheduler.pending) >= 1, deadline, "the second request was not queued")
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
-        while len(scheduler.pending) > 0:
-            assert time.monotonic() < deadline, "the queued job was not cancelled"
-            time.sleep(0.02)
+        until(lambda: len(scheduler.pending) == 0, deadline, "the queued job was not cancelled")
         runner.gate.set()
         assert first.result()[0] == 200
     assert runner.batches == [[1]]   # seed 2 never ran
@@ -176,10 +173,7 @@ def test_fake_runner_queue_full_is_429_with_retry_after_and_timeout_is_504():
         queued = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 2})
         # Until the second request is queued (a fixed sleep raced it on a loaded machine): then the queue is full.
         scheduler = srv.server.config.app.state.scheduler
-        deadline = time.monotonic() + 10
-        while len(scheduler.pending) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until(lambda: len(scheduler.pending) >= 1, time.monotonic() + 10, "the second request was not queued")
         status, headers, body = request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 3})
         assert status == 429 and int(headers["retry-after"]) >= 1
         assert body["error"]["code"] == "rate_limit_exceeded"
@@ -212,10 +206,7 @@ def test_fake_runner_fail_answers_503_to_health_and_every_waiting_request():
         assert runner.started.wait(10)
         queued = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 2})
         scheduler = srv.app.state.scheduler
-        deadline = time.monotonic() + 10
-        while len(scheduler.pending) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until(lambda: len(scheduler.pending) >= 1, time.monotonic() + 10, "the second request was not queued")
         srv.app.state.fail("rank 1 has exited")   # from this thread, as a signal handler would
         for f in (running, queued):
             status, _, body = f.result(timeout=10)
