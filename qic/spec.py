@@ -227,10 +227,6 @@ def _layout_combinations(spec: BuildSpec, at) -> None:
     if spec.layout.plain:
         return
     key = "ulysses" if spec.ulysses > 1 else "cfg_parallel"
-    if spec.step_cache:
-        raise ConfigError(f"{at(key)}: step_cache with {spec.layout.describe()} is not implemented (the cached "
-                          "residuals would be per sequence shard and per CFG group)",
-                          "build step caching and the parallel layouts as separate bundles")
     if "denoiser" not in spec.components:
         raise ConfigError(f"{at(key)}: {key} splits the denoiser, but components leave the denoiser out")
     if spec.ulysses > 1 and 0 in spec.text_buckets:

@@ -159,7 +159,6 @@ def test_compiled_ulysses_x_cfg_parallel_bundle_runs_as_tp1(bundle, workdir, cac
 def test_refused_combinations_name_them(tiny_ckpt, tmp_path):
     cases = [(("--ulysses", "3"), "ulysses 3 does not divide the 4 attention heads"),
              (("--ulysses", "2", "--tp", "4"), "ulysses 2 does not divide the 1 attention heads"),
-             (("--cfg-parallel", "--step-cache", "1,0"), "step_cache with TP 1 x CFG-parallel 2"),
              (("--ulysses", "0"), "ulysses must be a positive integer"),
              (("--ulysses", "2", "--text-buckets", "0"), "ulysses with exact-length text (text bucket 0)"),
              (("--cfg-parallel", "--components", "text_encoder"), "cfg_parallel splits the denoiser")]

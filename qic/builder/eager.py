@@ -55,8 +55,7 @@ class EagerModel:
         self.configs, self.modules = {}, {}
         self.layout, self.rank = layout or Layout(), rank
         self.coords = self.layout.coords(rank)
-        if not self.layout.plain:
-            join(self.layout)
+        join(self.layout)   # the mesh's groups and the host's (nothing on one rank)
         for name, comp in COMPONENTS.items():
             cfg = comp.parse_config(self.ckpt.config(comp.folder))
             sd = comp.convert(self.ckpt.weights(comp.folder).load())
@@ -90,7 +89,7 @@ class EagerModel:
             if part is not None:
                 gdef = step_part_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
                                        bucket, self.dtype, part, self.step_cache["first"], self.step_cache["last"],
-                                       cfg=cfg, batch=batch, rows=rows)
+                                       cfg=cfg, batch=batch, rows=rows, layout=self.layout)
             elif component == "text_encoder":
                 gdef = text_encoder_graph(m, bucket, batch=batch)
             elif component == "denoiser":

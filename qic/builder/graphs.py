@@ -29,6 +29,7 @@ from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
 from qic.models.mmdit import rope_tables
 from qic.models.step import DenoiseStep
 from qic.models.step_cache import StepHead, StepMiddle, StepTail
+from qic.models.ulysses import padded
 from qic.models.vae_decoder import QwenVAEDecoder
 from qic.parallel.mesh import AXES, Layout
 from qic.parallel.sequence import apply_layout
@@ -98,7 +99,7 @@ class StepPartGraph(nn.Module):
 
 def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
                     part: str, first: int, last: int, cfg: bool = True, batch: int = 1,
-                    rows: int | None = None) -> GraphDef:
+                    rows: int | None = None, layout: Layout = PLAIN) -> GraphDef:
     """One part of the step for step caching. R = text rows (2 x batch with CFG), S image tokens, D inner dim:
     - head: latents [B, S, C], text_embeds [R, L, J], text_mask [R, L], timestep, prev_residual [R, S, D]
             -> img, txt, temb, residual, diff [R] fp32
@@ -106,14 +107,22 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
             -> img, txt, img_residual, txt_residual
     - tail: latents, img_base [R, S, D], img_residual, temb, sigma, sigma_next, [guidance],
             [text_mask, txt_base, txt_residual when last > 0] -> latents
+    A layout (qic/models/step_cache.py): under CFG-parallel R is one branch's rows (the head still takes every
+    text row, and cfg_rank); under Ulysses S and L are this rank's chunks of the padded streams (the text mask
+    stays whole), and every part takes sp_rank. Both rank inputs last, filled by the runtime.
     """
     grid_rows, grid_cols = packed_grid(height, width, vae_scale)
     tokens = grid_rows * grid_cols
     text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
     example_len = text_len if bucket else 8
     dt = TORCH_DTYPES[dtype]
-    n_rows = rows or (2 * batch if cfg else batch)
+    split = layout.cfg > 1 and cfg                      # CFG-parallel: this rank's branch rows only
+    all_rows = 2 * batch if cfg else batch
+    n_rows = rows or (batch if split else all_rows)
     dim = config.inner_dim
+    u = layout.ulysses                                   # Ulysses: this rank's chunk of each padded stream
+    local_tokens, local_text = padded(tokens, u) // u, padded(example_len, u) // u
+    ranked = dict(ulysses=u, tokens=tokens)
 
     def scalar(value):
         return torch.tensor(value, dtype=torch.float32)
@@ -122,32 +131,38 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
         return torch.ones(n, *shape, dtype=dt)
 
     text_mask = ("text_mask", torch.ones(n_rows, example_len, dtype=torch.long))
+    rank_in = [("sp_rank", torch.zeros(1, dtype=torch.long))] if u > 1 else []
     guidance = [("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else []
     if part == "head":
-        module = StepHead(mmdit, first, cfg)
+        module = StepHead(mmdit, first, cfg, cfg_parallel=split, **ranked)
         inputs = [("latents", act(batch, tokens, config.in_channels)),
-                  ("text_embeds", act(n_rows, example_len, config.joint_attention_dim)), text_mask,
-                  ("timestep", scalar(500.0)), ("prev_residual", act(n_rows, tokens, dim))]
+                  ("text_embeds", act(all_rows, example_len, config.joint_attention_dim)),
+                  ("text_mask", torch.ones(all_rows, example_len, dtype=torch.long)),
+                  ("timestep", scalar(500.0)), ("prev_residual", act(n_rows, local_tokens, dim))]
+        rank_in = ([("cfg_rank", torch.zeros(1, dtype=torch.long))] if split else []) + rank_in
         outputs = ["img", "txt", "temb", "residual", "diff"]
         text_inputs = ("text_embeds", "text_mask")
     elif part == "mid":
-        module = StepMiddle(mmdit, first, last)
-        inputs = [("img", act(n_rows, tokens, dim)), ("txt", act(n_rows, example_len, dim)),
+        module = StepMiddle(mmdit, first, last, **ranked)
+        inputs = [("img", act(n_rows, local_tokens, dim)), ("txt", act(n_rows, local_text, dim)),
                   ("temb", act(n_rows, dim)), text_mask]
         outputs = ["img", "txt", "img_residual", "txt_residual"]
         text_inputs = ("txt", "text_mask")
     elif part == "tail":
-        module = StepTail(mmdit, last, cfg)
-        inputs = [("latents", act(batch, tokens, config.in_channels)), ("img_base", act(n_rows, tokens, dim)),
-                  ("img_residual", act(n_rows, tokens, dim)), ("temb", act(n_rows, dim)),
+        module = StepTail(mmdit, last, cfg, cfg_parallel=split, **ranked)
+        inputs = [("latents", act(batch, tokens, config.in_channels)), ("img_base", act(n_rows, local_tokens, dim)),
+                  ("img_residual", act(n_rows, local_tokens, dim)), ("temb", act(n_rows, dim)),
                   ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))] + guidance
         if last:
-            inputs += [text_mask, ("txt_base", act(n_rows, example_len, dim)),
-                       ("txt_residual", act(n_rows, example_len, dim))]
+            inputs += [text_mask, ("txt_base", act(n_rows, local_text, dim)),
+                       ("txt_residual", act(n_rows, local_text, dim))]
         outputs = ["latents"]
         text_inputs = ("text_mask", "txt_base", "txt_residual")
     else:
         raise ValueError(f"unknown step part {part!r}")
+    if not layout.plain:
+        apply_layout(module, layout)
+    inputs += rank_in
     names = [n for n, _ in inputs]
     dynamic = None
     if not bucket:
@@ -245,7 +260,7 @@ def _make_graph(component: str, module, configs: dict, shape: dict, dtype: str, 
         if "part" in shape:
             return step_part_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
                                    shape["bucket"], dtype, shape["part"], shape["first"], shape["last"],
-                                   cfg=shape.get("cfg", True), batch=batch, rows=shape.get("rows"))
+                                   cfg=shape.get("cfg", True), batch=batch, rows=shape.get("rows"), layout=layout)
         return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
                               shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch, layout=layout)
     return vae_decoder_graph(module, *shape["resolution"], batch)

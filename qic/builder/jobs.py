@@ -146,16 +146,19 @@ def graph_shapes(spec) -> list[tuple[str, dict]]:
                  for n in batches for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
         out += steps
         if spec.step_cache:
-            out += [("denoiser", s) for _, step in steps for s in step_part_shapes(step, *spec.step_cache)]
+            out += [("denoiser", s) for _, step in steps
+                    for s in step_part_shapes(step, *spec.step_cache, spec.cfg_parallel)]
     if "vae_decoder" in spec.components:
         out += [("vae_decoder", {"resolution": [h, w]} | n) for n in batches for h, w in spec.resolutions]
     return out
 
 
-def step_part_shapes(step: dict, first: int, last: int) -> list[dict]:
+def step_part_shapes(step: dict, first: int, last: int, cfg_parallel: bool = False) -> list[dict]:
     """The split graphs of one step graph's shape: head, mid over all rows, mid over one row (when there is
-    more than one: the rows that compute when the others cache), tail."""
-    rows = (2 if step.get("cfg", True) else 1) * step.get("batch", 1)
+    more than one: the rows that compute when the others cache), tail. Under CFG-parallel a rank's rows are
+    its branch's: one per image."""
+    guided = step.get("cfg", True)
+    rows = (2 if guided and not cfg_parallel else 1) * step.get("batch", 1)
     parts = [{"part": "head"}, {"part": "mid"}] + ([{"part": "mid", "rows": 1}] if rows > 1 else [])
     parts.append({"part": "tail"})
     return [step | {"first": first, "last": last} | p for p in parts]

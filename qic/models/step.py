@@ -51,15 +51,9 @@ class DenoiseStep(nn.Module):
         if text_embeds.shape[0] != rows:
             raise ValueError(f"DenoiseStep(cfg={self.cfg}) takes text of batch {rows} for latents of batch "
                              f"{images}, got {text_embeds.shape[0]}")
-        if self.cfg_parallel:
-            # This rank's branch only: its B text rows; the other branch's group computes the others.
-            text_embeds = text_embeds.unflatten(0, (2, images)).index_select(0, cfg_rank).flatten(0, 1)
-            if text_mask is not None:
-                text_mask = text_mask.unflatten(0, (2, images)).index_select(0, cfg_rank).flatten(0, 1)
-            rows, model_in = images, latents
-        else:
-            # [cond rows | uncond rows]: each image's latents twice, matching the text rows' order.
-            model_in = latents.repeat(2, 1, 1) if self.cfg else latents
+        model_in, text_embeds, text_mask = branch_rows(latents, text_embeds, text_mask, self.cfg, self.cfg_parallel,
+                                                       cfg_rank)
+        rows = model_in.shape[0]
         t = model_timestep(timestep, latents, rows)
         if self.shard is not None:
             pred = self.shard(self.mmdit, model_in, text_embeds, text_mask, t, rope_cos, rope_sin, sp_rank)
@@ -68,6 +62,19 @@ class DenoiseStep(nn.Module):
         if self.cfg_parallel:
             pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)
+
+
+def branch_rows(latents, text_embeds, text_mask, cfg: bool, cfg_parallel: bool, cfg_rank):
+    """The rows this rank's transformer runs: (latents in, text rows, their mask). With CFG each image's latents
+    twice, matching the text rows' order [cond rows | uncond rows]; under CFG-parallel only this rank's branch
+    (its B text rows, each image's latents once): the other CFG group computes the other branch."""
+    if cfg_parallel:
+        images = latents.shape[0]
+        text_embeds = text_embeds.unflatten(0, (2, images)).index_select(0, cfg_rank).flatten(0, 1)
+        if text_mask is not None:
+            text_mask = text_mask.unflatten(0, (2, images)).index_select(0, cfg_rank).flatten(0, 1)
+        return latents, text_embeds, text_mask
+    return (latents.repeat(2, 1, 1) if cfg else latents), text_embeds, text_mask
 
 
 def model_timestep(timestep: torch.Tensor, latents: torch.Tensor, rows: int) -> torch.Tensor:

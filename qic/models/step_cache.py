@@ -20,6 +20,15 @@ the split adds graphs, not weight bytes. Every row's arithmetic is independent o
 reductions are per row), so an image's decisions do not depend on its batch. Under TP the image stream
 between blocks is whole on every rank (the row-parallel outputs are all-reduced inside each block), so the
 decision's means need no collective and every rank computes the same figure.
+
+Parallel layouts (qic/parallel/mesh.py), as the whole step runs them (qic/models/step.py, ulysses.py):
+- CFG-parallel: the head takes every text row and keeps this rank's branch (`cfg_rank`); the middle and the tail
+  run that branch's rows only (the host passes their text mask rows), and the tail all-gathers the predictions
+  over the CFG pair before CFG and Euler. Each branch's rows, and so its decisions, live on its own CFG group.
+- Ulysses: every part runs on this rank's chunk of both streams (`sp_rank`; padded to multiples of U), with the
+  interleaved key mask and RoPE chunks; the stored residuals are chunks too. The figure's two sums run over the
+  real tokens of every rank (one all-reduce), so every rank of the sequence group reads the same figure, the
+  one a single device computes (within fp32 rounding). The tail gathers the image tokens before the output.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import torch
 from torch import nn
 
 from qic.models.mmdit import QwenMMDiT
-from qic.models.step import guide_and_update, model_timestep
+from qic.models.step import branch_rows, guide_and_update, model_timestep
+from qic.models.ulysses import UlyssesShard
 
 
 def relative_l1(residual: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -39,47 +49,82 @@ def relative_l1(residual: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return (num / previous.abs().mean(dim=(1, 2))).float()
 
 
-class StepHead(nn.Module):
-    def __init__(self, mmdit: QwenMMDiT, first: int, cfg: bool = True):
-        super().__init__()
-        self.mmdit, self.first, self.cfg = mmdit, first, cfg
+class _Part(nn.Module):
+    """What the three parts share: the denoiser, and under Ulysses the token chunking of the image's `tokens`."""
 
-    def forward(self, latents, text_embeds, text_mask, timestep, prev_residual, rope_cos, rope_sin):
-        rows = text_embeds.shape[0]
-        model_in = latents.repeat(2, 1, 1) if self.cfg else latents
-        img0, txt, temb = self.mmdit.embed(model_in, text_embeds, model_timestep(timestep, latents, rows))
-        mask = self.mmdit.attention_mask(text_mask, img0)
-        img, txt = self.mmdit.blocks(img0, txt, temb, mask, rope_cos, rope_sin, 0, self.first)
+    def __init__(self, mmdit: QwenMMDiT, ulysses: int = 1, tokens: int = 0):
+        super().__init__()
+        self.mmdit, self.tokens = mmdit, tokens
+        self.shard = UlyssesShard(ulysses) if ulysses > 1 else None
+
+    def mask_and_tables(self, text_mask, img, rope_cos, rope_sin, sp_rank):
+        """The key mask and RoPE tables of this rank's tokens (all tokens without Ulysses)."""
+        if self.shard is None:
+            return self.mmdit.attention_mask(text_mask, img), rope_cos, rope_sin
+        n_txt = text_mask.shape[1]
+        mask = self.shard.key_mask(text_mask, img.shape[0], n_txt, self.tokens, img.device)
+        return mask, self.shard.tables(rope_cos, n_txt, sp_rank), self.shard.tables(rope_sin, n_txt, sp_rank)
+
+
+class StepHead(_Part):
+    def __init__(self, mmdit: QwenMMDiT, first: int, cfg: bool = True, ulysses: int = 1, cfg_parallel: bool = False,
+                 tokens: int = 0):
+        super().__init__(mmdit, ulysses, tokens)
+        self.first, self.cfg, self.cfg_parallel = first, cfg, cfg_parallel and cfg
+
+    def forward(self, latents, text_embeds, text_mask, timestep, prev_residual, rope_cos, rope_sin, cfg_rank=None,
+                sp_rank=None):
+        model_in, text_embeds, text_mask = branch_rows(latents, text_embeds, text_mask, self.cfg, self.cfg_parallel,
+                                                       cfg_rank)
+        t = model_timestep(timestep, latents, model_in.shape[0])
+        if self.shard is not None:
+            model_in = self.shard.split(model_in, self.tokens, sp_rank)
+            text_embeds = self.shard.split(text_embeds, text_embeds.shape[1], sp_rank)
+        img0, txt, temb = self.mmdit.embed(model_in, text_embeds, t)
+        mask, cos, sin = self.mask_and_tables(text_mask, img0, rope_cos, rope_sin, sp_rank)
+        img, txt = self.mmdit.blocks(img0, txt, temb, mask, cos, sin, 0, self.first)
         residual = img - img0
-        return img, txt, temb, residual, relative_l1(residual, prev_residual)
+        if self.shard is None:
+            diff = relative_l1(residual, prev_residual)
+        else:
+            diff = self.shard.relative_l1(residual, prev_residual, self.tokens, sp_rank)
+        return img, txt, temb, residual, diff
 
 
-class StepMiddle(nn.Module):
-    def __init__(self, mmdit: QwenMMDiT, first: int, last: int):
-        super().__init__()
-        self.mmdit, self.first, self.last = mmdit, first, last
+class StepMiddle(_Part):
+    def __init__(self, mmdit: QwenMMDiT, first: int, last: int, ulysses: int = 1, tokens: int = 0):
+        super().__init__(mmdit, ulysses, tokens)
+        self.first, self.last = first, last
 
-    def forward(self, img, txt, temb, text_mask, rope_cos, rope_sin):
-        mask = self.mmdit.attention_mask(text_mask, img)
+    def forward(self, img, txt, temb, text_mask, rope_cos, rope_sin, sp_rank=None):
+        mask, cos, sin = self.mask_and_tables(text_mask, img, rope_cos, rope_sin, sp_rank)
         stop = self.mmdit.config.num_layers - self.last
-        out_img, out_txt = self.mmdit.blocks(img, txt, temb, mask, rope_cos, rope_sin, self.first, stop)
+        out_img, out_txt = self.mmdit.blocks(img, txt, temb, mask, cos, sin, self.first, stop)
         return out_img, out_txt, out_img - img, out_txt - txt
 
 
-class StepTail(nn.Module):
+class StepTail(_Part):
     """last = 0: the tail takes no text stream (nothing after the middle reads it)."""
 
-    def __init__(self, mmdit: QwenMMDiT, last: int, cfg: bool = True):
-        super().__init__()
-        self.mmdit, self.last, self.cfg = mmdit, last, cfg
+    # CFG-parallel (qic.parallel.sequence sets it): this branch's predictions -> both branches', as DenoiseStep's.
+    cfg_gather = None
+
+    def __init__(self, mmdit: QwenMMDiT, last: int, cfg: bool = True, ulysses: int = 1, cfg_parallel: bool = False,
+                 tokens: int = 0):
+        super().__init__(mmdit, ulysses, tokens)
+        self.last, self.cfg, self.cfg_parallel = last, cfg, cfg_parallel and cfg
 
     def forward(self, latents, img_base, img_residual, temb, sigma, sigma_next, guidance=None, text_mask=None,
-                txt_base=None, txt_residual=None, rope_cos=None, rope_sin=None):
+                txt_base=None, txt_residual=None, rope_cos=None, rope_sin=None, sp_rank=None):
         img = img_base + img_residual
         if self.last:
             txt = txt_base + txt_residual
-            mask = self.mmdit.attention_mask(text_mask, img)
+            mask, cos, sin = self.mask_and_tables(text_mask, img, rope_cos, rope_sin, sp_rank)
             start = self.mmdit.config.num_layers - self.last
-            img, _ = self.mmdit.blocks(img, txt, temb, mask, rope_cos, rope_sin, start, None)
+            img, _ = self.mmdit.blocks(img, txt, temb, mask, cos, sin, start, None)
         pred = self.mmdit.output(img, temb)
+        if self.shard is not None:
+            pred = self.shard.unsplit(pred, self.tokens)
+        if self.cfg_parallel:
+            pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)

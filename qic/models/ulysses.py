@@ -45,37 +45,67 @@ def _pad_tokens(x: torch.Tensor, to: int) -> torch.Tensor:
 
 
 class UlyssesShard(nn.Module):
-    """Runs a QwenMMDiT's forward on this rank's tokens; same signature plus `sp_rank`, same output."""
+    """Runs a QwenMMDiT's forward on this rank's tokens; same signature plus `sp_rank`, same output. Its
+    pieces (split, key_mask, tables, unsplit, relative_l1) are also what the step-caching parts
+    (qic/models/step_cache.py) use to run a range of the blocks on the same chunks."""
 
     gather = None   # [B, n, C] -> [size, B, n, C]: every rank's chunk, set by qic.parallel.sequence
+    reduce = None   # a sum over the group (the step-cache figure's two sums), set by qic.parallel.sequence
 
     def __init__(self, size: int):
         super().__init__()
         self.size = size
 
+    def split(self, x: torch.Tensor, n: int, sp_rank: torch.Tensor) -> torch.Tensor:
+        """[B, n, ...] -> this rank's chunk [B, padded(n) / U, ...] of the zero-padded tokens."""
+        return _chunk(_pad_tokens(x, padded(n, self.size)), 1, self.size, sp_rank)
+
+    def key_mask(self, text_mask: torch.Tensor | None, b: int, n_txt: int, n_img: int,
+                 device: torch.device) -> torch.Tensor:
+        """[B, 1, 1, K]: prompt padding and both streams' Ulysses padding masked, in the all-to-all's key order."""
+        u = self.size
+        if text_mask is None:
+            txt_valid = torch.ones(b, n_txt, dtype=torch.bool, device=device)
+        else:
+            txt_valid = text_mask.to(torch.bool)
+        txt_valid = F.pad(txt_valid, (0, padded(n_txt, u) - n_txt), value=False)
+        img_valid = (torch.arange(padded(n_img, u), device=device) < n_img).expand(b, padded(n_img, u))
+        return interleaved_key_mask(txt_valid, img_valid, u)[:, None, None, :]
+
+    def tables(self, t: torch.Tensor, n_txt: int, sp_rank: torch.Tensor) -> torch.Tensor:
+        """A RoPE table [T + N, D/2] in [text | image] order -> this rank's [text chunk | image chunk]."""
+        u = self.size
+        n_img = t.shape[0] - n_txt
+        return torch.cat([_chunk(_pad_tokens(t[:n_txt], padded(n_txt, u)), 0, u, sp_rank),
+                          _chunk(_pad_tokens(t[n_txt:], padded(n_img, u)), 0, u, sp_rank)], 0)
+
+    def unsplit(self, out: torch.Tensor, n_img: int) -> torch.Tensor:
+        """This rank's image tokens [B, N_pad / U, C] -> every rank's, unpadded: [B, N, C]."""
+        b = out.shape[0]
+        out = self.gather(out)                                     # [U, B, N_pad / U, C]
+        return out.movedim(0, 1).reshape(b, -1, out.shape[-1])[:, :n_img]
+
+    def relative_l1(self, residual: torch.Tensor, previous: torch.Tensor, n_img: int,
+                    sp_rank: torch.Tensor) -> torch.Tensor:
+        """Step caching's figure over the whole image stream from this rank's chunk: per row, sum |r - r_prev| /
+        sum |r_prev| over the real (unpadded) tokens of every rank (one all-reduce of the two sums). The same ratio
+        as one device's mean / mean (equal counts cancel), summed in fp32: equal to it within fp32 rounding."""
+        local = residual.shape[1]
+        real = (torch.arange(local, device=residual.device) + sp_rank * local < n_img).to(residual.dtype)
+        real = real[None, :, None]
+        sums = torch.stack([((residual - previous).abs() * real).float().sum(dim=(1, 2)),
+                            (previous.abs() * real).float().sum(dim=(1, 2))])
+        sums = self.reduce(sums)
+        return sums[0] / sums[1]
+
     def forward(self, mmdit, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
                 rope_cos, rope_sin, sp_rank):
-        u = self.size
         b, n_img = hidden_states.shape[:2]
         n_txt = encoder_hidden_states.shape[1]
-        n_img_p, n_txt_p = padded(n_img, u), padded(n_txt, u)
-        if encoder_hidden_states_mask is None:
-            txt_valid = torch.ones(b, n_txt, dtype=torch.bool, device=hidden_states.device)
-        else:
-            txt_valid = encoder_hidden_states_mask.to(torch.bool)
-        txt_valid = F.pad(txt_valid, (0, n_txt_p - n_txt), value=False)
-        img_valid = (torch.arange(n_img_p, device=hidden_states.device) < n_img).expand(b, n_img_p)
-        mask = interleaved_key_mask(txt_valid, img_valid, u)[:, None, None, :]
-
-        img = _chunk(_pad_tokens(hidden_states, n_img_p), 1, u, sp_rank)
-        txt = _chunk(_pad_tokens(encoder_hidden_states, n_txt_p), 1, u, sp_rank)
-
-        def table(t):   # [T + N, D/2] in [text | image] order -> this rank's [text chunk | image chunk]
-            return torch.cat([_chunk(_pad_tokens(t[:n_txt], n_txt_p), 0, u, sp_rank),
-                              _chunk(_pad_tokens(t[n_txt:], n_img_p), 0, u, sp_rank)], 0)
-
+        mask = self.key_mask(encoder_hidden_states_mask, b, n_txt, n_img, hidden_states.device)
+        img = self.split(hidden_states, n_img, sp_rank)
+        txt = self.split(encoder_hidden_states, n_txt, sp_rank)
         img, txt, temb = mmdit.embed(img, txt, timestep)
-        img, _ = mmdit.blocks(img, txt, temb, mask, table(rope_cos), table(rope_sin))
-        out = mmdit.output(img, temb)                              # [B, N_pad / U, C]: this rank's tokens
-        out = self.gather(out)                                     # [U, B, N_pad / U, C]
-        return out.movedim(0, 1).reshape(b, n_img_p, out.shape[-1])[:, :n_img]
+        img, _ = mmdit.blocks(img, txt, temb, mask, self.tables(rope_cos, n_txt, sp_rank),
+                              self.tables(rope_sin, n_txt, sp_rank))
+        return self.unsplit(mmdit.output(img, temb), n_img)     # this rank's tokens, gathered and unpadded

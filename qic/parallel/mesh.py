@@ -89,8 +89,9 @@ _JOINED: dict[int, Layout] = {}   # id of the default process group -> the layou
 
 def join(layout: Layout) -> None:
     """Create the layout's process groups (every rank calls this, in the same order, before any other
-    new_group) and register this rank's groups under the axis aliases. Idempotent per process group."""
-    if layout.plain:
+    new_group) and register this rank's groups under the axis aliases; and the host's exchange groups
+    (host_group). Idempotent per process group; nothing to do on one rank."""
+    if layout.world == 1:
         return
     if not dist.is_initialized():
         raise ConfigError(f"the bundle's layout {layout.describe()} needs a torch.distributed process group")
@@ -105,26 +106,88 @@ def join(layout: Layout) -> None:
         raise ConfigError(f"this process already joined the layout {joined.describe()}")
     from torch._C._distributed_c10d import _register_process_group
     me = dist.get_rank()
-    for axis in AXES:
-        for ranks in layout.groups(axis):
+    if not layout.plain:   # plain TP: the graphs use the world group ("0")
+        for axis in AXES:
+            for ranks in layout.groups(axis):
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    _register_process_group(ALIASES[axis], group)
+                    _MINE[axis] = group
+    # The host's own groups, apart from the graphs' (on a graph's group, a host collective between two graph
+    # calls left the next graph's collectives waiting: gloo, torch 2.13). "world": every rank; "branch": the
+    # ranks of this rank's CFG group (the world without CFG-parallel).
+    _HOST["world"] = dist.new_group(list(range(layout.world)))
+    _HOST["branch"] = _HOST["world"]
+    if layout.cfg > 1:
+        for c in range(layout.cfg):
+            ranks = [r for r in range(layout.world) if layout.coords(r)["cfg"] == c]
             group = dist.new_group(ranks)
             if me in ranks:
-                _register_process_group(ALIASES[axis], group)
-                _MINE[axis] = group
+                _HOST["branch"] = group
     _JOINED[id(world_group)] = layout
 
 
 _MINE: dict = {}   # axis -> this rank's process group on it
+_HOST: dict = {}   # "world" / "branch" -> this rank's host-side exchange group (join)
 
 
-def share_from_first(layout: Layout, axis: str, x):
-    """Host side: the tensor of the rank at coordinate 0 on `axis` (of this rank's group), on every rank of
-    the group. Used once per image, e.g. the latents that CFG group 0 denoised alone without CFG."""
+def host_group(peers: str):
+    """The gloo group for host-side exchanges among `peers` ("world" or "branch": this rank's CFG group)."""
+    return _HOST[peers]
+
+
+def share_from(layout: Layout, axis: str, x, coord: int = 0):
+    """Host side: the tensor of the rank at `coord` on `axis` (of this rank's group), on every rank of the
+    group (x: this rank's tensor of the same shape and dtype, its values unused unless it is that rank)."""
     import torch
     me = layout.coords(dist.get_rank())
     y = x.float().contiguous()   # gloo's broadcast and every dtype the latents may have
-    dist.broadcast(y, src=layout.rank_of(**(me | {axis: 0})), group=_MINE[axis])
+    dist.broadcast(y, src=layout.rank_of(**(me | {axis: coord})), group=_MINE[axis])
     return y.to(x.dtype) if x.dtype != torch.float32 else y
+
+
+_EVENTS = [0]   # host waits so far (wait_for_group / group_done): the same count on every rank
+
+
+def _event_key(rank: int) -> str:
+    _EVENTS[0] += 1
+    return f"qic:done:{_EVENTS[0]}:{rank}"
+
+
+def group_done(layout: Layout) -> None:
+    """Host side: tell the ranks waiting in wait_for_group on this rank that it is done (no collective)."""
+    dist.distributed_c10d._get_default_store().set(_event_key(dist.get_rank()), "1")
+
+
+def wait_for_group(layout: Layout, axis: str, coord: int, poll: float = 0.02) -> None:
+    """Host side, for a rank with nothing to compute: wait until the rank at `coord` on `axis` of its group calls
+    group_done, polling the process group's store rather than sitting in a collective, whose timeout (qic's,
+    seconds) a whole denoise loop outlasts. A peer that dies takes the store's host (rank 0) or rank 0's next
+    collective with it, so the poll fails rather than waiting forever."""
+    import time
+    me = layout.coords(dist.get_rank())
+    key = _event_key(layout.rank_of(**(me | {axis: coord})))
+    store = dist.distributed_c10d._get_default_store()
+    while not store.check([key]):
+        time.sleep(poll)
+    store.delete_key(key)
+
+
+def gather_objects(peers: str, obj) -> list:
+    """Host side: every rank's `obj` (picklable) among `peers` (host_group), in rank order."""
+    out = [None] * dist.get_world_size(_HOST[peers])
+    dist.all_gather_object(out, obj, group=_HOST[peers])
+    return out
+
+
+def gather_figures(peers: str, figures: list[float]):
+    """Host side: every rank's step-cache figures among `peers`, as a [ranks, rows] float64 tensor in rank order
+    (equal row counts on every rank: one call a step, so a tensor, not pickled objects)."""
+    import torch
+    mine = torch.tensor(figures, dtype=torch.float64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(_HOST[peers]))]
+    dist.all_gather(out, mine, group=_HOST[peers])
+    return torch.stack(out)
 
 
 def fake_join(layout: Layout) -> None:

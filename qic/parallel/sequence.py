@@ -13,6 +13,7 @@ import torch
 from qic.errors import ConfigError
 from qic.models.mmdit import JointAttention
 from qic.models.step import DenoiseStep
+from qic.models.step_cache import StepTail
 from qic.models.ulysses import UlyssesShard
 from qic.parallel.mesh import Layout
 from qic.parallel.tp import apply_tp
@@ -64,6 +65,17 @@ class StackGather:
         return _all_gather(x, self.size, self.group_name).unflatten(0, (self.size, -1))
 
 
+class SumReduce:
+    """UlyssesShard's `reduce`: a sum over the group (the step-cache figure's sums over every rank's tokens)."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+
+    def __call__(self, x):
+        y = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", self.group_name)
+        return torch.ops._c10d_functional.wait_tensor(y)
+
+
 class RowGather(StackGather):
     """[n, ...] -> [size * n, ...] (CFG-parallel: the cond rows, then the uncond rows)."""
 
@@ -82,7 +94,7 @@ def check_layout(layout: Layout, heads: int) -> None:
 
 def apply_layout(module: torch.nn.Module, layout: Layout) -> None:
     """Set every collective hook of `module` for `layout`: TP's reduces and gathers, Ulysses' exchanges and
-    token gather, CFG-parallel's prediction gather (none at size 1)."""
+    token gather and figure sum, CFG-parallel's prediction gather (none at size 1)."""
     if layout.tp > 1:
         apply_tp(module, layout.group_name("tp"))
     sp, cfg = layout.group_name("sp"), layout.group_name("cfg")
@@ -91,5 +103,6 @@ def apply_layout(module: torch.nn.Module, layout: Layout) -> None:
             m.exchange = HeadExchange(sp, layout.ulysses)
         elif isinstance(m, UlyssesShard):
             m.gather = StackGather(sp, layout.ulysses)
-        elif isinstance(m, DenoiseStep) and m.cfg_parallel:
+            m.reduce = SumReduce(sp)
+        elif isinstance(m, (DenoiseStep, StepTail)) and m.cfg_parallel:
             m.cfg_gather = RowGather(cfg, layout.cfg)

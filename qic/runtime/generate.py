@@ -20,7 +20,7 @@ from qic.host.cache_policy import CacheSettings, settings_from
 from qic.host.latents import initial_noise
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
-from qic.parallel.mesh import share_from_first
+from qic.parallel.mesh import gather_objects, group_done, share_from, wait_for_group
 from qic.runtime.bundle import Bundle
 from qic.runtime.step_cache import cached_loop
 
@@ -155,27 +155,28 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
     sf = lat["vae_scale_factor"]
     noise = torch.cat([initial_noise(r.seed, lat["z_dim"], r.height, r.width, sf) for r in reqs], 0)
     schedule = flow_match_schedule(bundle.scheduler, first.steps, noise.shape[1])
-    step = bundle.graph("denoiser", res, bucket, cfg=batched, batch=n)
     scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
     guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
-    x, rows_state = noise, None
-    # CFG-parallel without CFG (the no-CFG graph: one prediction a step, no second branch to compute): the
-    # ranks of CFG group 1 idle through the loop rather than repeat group 0's work, then take its latents.
+    # CFG-parallel without CFG (the no-CFG graph: one prediction a step, no second branch to compute): the two
+    # CFG groups take halves of the batch (an image's pixels do not depend on its batch), or with one image (or
+    # no graph of the halves' sizes) group 1 idles and takes group 0's latents after the loop.
     share = bundle.layout.cfg > 1 and not batched
-    if share and bundle.coords["cfg"] == 1:
-        times["idle"] = 0.0
-    elif first.cache.active:
-        x, rows_state = cached_loop(bundle, first.cache, res, bucket, batched, n, x, text, text_mask, schedule,
-                                  first.steps, guidance, times)
+    bounds = share_of(bundle, res, bucket, n, first.cache.active) if share else [(0, n)]
+    lo, hi = bounds[bundle.coords["cfg"]] if share else bounds[0]
+    idler = share and bounds[1][0] == bounds[1][1]      # CFG group 1 has nothing to denoise
+    x, rows_state = noise[lo:hi], None
+    if hi == lo:
+        t = time.perf_counter()
+        wait_for_group(bundle.layout, "cfg", 0)          # outside any collective: a loop outlasts their timeout
+        times["idle"] = time.perf_counter() - t
     else:
-        for i in range(first.steps):
-            t = time.perf_counter()
-            x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1],
-                     *guidance)[0]
-            times[f"step{i}"] = time.perf_counter() - t
+        if share:   # one text row an image (the no-CFG graph): this group's images' rows
+            text, text_mask = text[lo:hi], text_mask[lo:hi]
+        x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times)
     if share:
-        x = share_from_first(bundle.layout, "cfg", x)
-
+        if idler and hi > lo:
+            group_done(bundle.layout)
+        x, rows_state = both_halves(bundle, noise, x, rows_state, bounds, first.cache.active)
     t = time.perf_counter()
     images = bundle.graph("vae_decoder", res, batch=n)(x.float())[0]
     times["decode"] = time.perf_counter() - t
@@ -185,6 +186,42 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
         return None if rows_state is None else [getattr(rows_state[i + k * n], what) for k in range(rows)]
     return [Result(to_pil(images[i:i + 1]), r, dict(times), bucket, of_image(i, "computed"), of_image(i, "figures"))
             for i, r in enumerate(reqs)]
+
+
+def denoise(bundle, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
+            times: dict):
+    """The denoise loop over x's images: (final latents, step-cache rows or None). One step graph a step, or
+    with step caching on the split graphs (qic/runtime/step_cache.py)."""
+    if req.cache.active:
+        return cached_loop(bundle, req.cache, res, bucket, cfg, x.shape[0], x, text, text_mask, schedule,
+                           req.steps, guidance, times)
+    step = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=x.shape[0])
+    for i in range(req.steps):
+        t = time.perf_counter()
+        x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], *guidance)[0]
+        times[f"step{i}"] = time.perf_counter() - t
+    return x, None
+
+
+def share_of(bundle, res, bucket, n: int, cached: bool) -> list[tuple[int, int]]:
+    """CFG-parallel without CFG: the images [lo, hi) each CFG group denoises. Group 0 takes the first ceil(n/2),
+    group 1 the rest, when the bundle has the no-CFG graphs of both sizes; else group 0 takes all of them."""
+    halves = [(0, (n + 1) // 2), ((n + 1) // 2, n)]
+    parts = ("head", "mid", "tail") if cached else (None,)
+    ok = n > 1 and all(bundle.has_graph("denoiser", res, bucket, cfg=False, batch=hi - lo, part=part)
+                       for lo, hi in halves for part in parts)
+    return halves if ok else [(0, n), (n, n)]
+
+
+def both_halves(bundle, noise, x, rows_state, bounds, cached: bool):
+    """Every image's latents (and step-cache rows) on every rank, each half from the CFG group that denoised it."""
+    layout, me = bundle.layout, bundle.coords["cfg"]
+    parts = [share_from(layout, "cfg", (x if c == me else noise[lo:hi]).float(), coord=c)
+             for c, (lo, hi) in enumerate(bounds) if hi > lo]
+    if cached:   # each CFG group's first rank holds its images' rows (None: the group idled)
+        states = gather_objects("world", rows_state)[::layout.world // layout.cfg]
+        rows_state = [row for s in states if s for row in s]
+    return torch.cat(parts, 0), rows_state
 
 
 def batch_key(req: Request, plan: TextPlan) -> tuple:
