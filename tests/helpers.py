@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import subprocess
+import time
 
 import torch
 
@@ -67,3 +69,25 @@ def mmdit_bound(name: str) -> float:
     from qic.checkpoint.presets import preset
     c = preset(name)["transformer"]
     return fp32_reorder_bound(4 * c["num_attention_heads"] * c["attention_head_dim"], 8 * c["num_layers"] + 4)
+
+
+def assert_die_with(proc: subprocess.Popen, within: float = 10.0) -> list:
+    """SIGKILL `proc`; every process under it (its ranks, multiprocessing's helper) must be gone `within`
+    seconds (a zombie waiting for init to reap it holds nothing). Returns them."""
+    import psutil
+    below = psutil.Process(proc.pid).children(recursive=True)
+    assert below, "nothing was running under the process"
+    proc.kill()
+    proc.wait(10)
+    t = time.monotonic()
+    _, alive = psutil.wait_procs(below, timeout=within)
+    left = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"{[' '.join(p.cmdline())[:80] for p in left]} outlived their parent"
+    print(f"{len(below)} processes under pid {proc.pid} gone {time.monotonic() - t:.2f} s after its SIGKILL")
+    return below

@@ -29,6 +29,7 @@ from qic.errors import ConfigError
 from qic.serve.client import request
 from qic.serve.queue import Job, take_group
 from tests.conftest import BUCKETS, QIC, ROOT, TINY_RES, qic
+from tests.helpers import assert_die_with
 
 SIZE = "{1}x{0}".format(*TINY_RES)   # OpenAI's WIDTHxHEIGHT
 STEPS = 2
@@ -506,6 +507,20 @@ def test_tp2_server_follower_death_is_503_and_a_non_zero_exit(bundle_tp2, tmp_pa
         print(f"rank 1 killed: server exited {code} after {time.monotonic() - t:.1f} s")
         psutil.wait_procs([rank0], timeout=10)
         assert not rank0.is_running() or rank0.status() == psutil.STATUS_ZOMBIE
+    finally:
+        srv.close()
+
+
+def test_tp2_server_killed_leaves_no_rank_and_no_port_behind(bundle_tp2, tmp_path):
+    """SIGKILL of `qic serve` (the OOM killer) runs no handler: its ranks must die with it (PR_SET_PDEATHSIG)
+    and free the port, or a restarted server finds it taken and the old ranks hold the memory."""
+    srv = ServeProcess(bundle_tp2, tmp_path / "serve.log", "--tp", 2)
+    try:
+        tp_ranks(srv)   # both ranks up, rank 0 listening
+        assert_die_with(srv.proc)
+        with socket.socket() as s:   # what a restarted server does (qic.cli.serve._bind)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", srv.port))
     finally:
         srv.close()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from qic.errors import ConfigError
+from qic.parallel.ranks import new_group
 
 AXES = ("tp", "sp", "cfg")   # innermost first
 ALIASES = {"tp": "qic:tp", "sp": "qic:sp", "cfg": "qic:cfg"}
@@ -109,19 +110,19 @@ def join(layout: Layout) -> None:
     if not layout.plain:   # plain TP: the graphs use the world group ("0")
         for axis in AXES:
             for ranks in layout.groups(axis):
-                group = dist.new_group(ranks)
+                group = new_group(ranks)
                 if me in ranks:
                     _register_process_group(ALIASES[axis], group)
                     _MINE[axis] = group
     # The host's own groups, apart from the graphs' (on a graph's group, a host collective between two graph
     # calls left the next graph's collectives waiting: gloo, torch 2.13). "world": every rank; "branch": the
     # ranks of this rank's CFG group (the world without CFG-parallel).
-    _HOST["world"] = dist.new_group(list(range(layout.world)))
+    _HOST["world"] = new_group(list(range(layout.world)))
     _HOST["branch"] = _HOST["world"]
     if layout.cfg > 1:
         for c in range(layout.cfg):
             ranks = [r for r in range(layout.world) if layout.coords(r)["cfg"] == c]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if me in ranks:
                 _HOST["branch"] = group
     _JOINED[id(world_group)] = layout
@@ -195,4 +196,4 @@ def fake_join(layout: Layout) -> None:
     right sizes, which compilers may ask for."""
     from torch._C._distributed_c10d import _register_process_group
     for axis in AXES:
-        _register_process_group(ALIASES[axis], dist.new_group(layout.groups(axis)[0]))
+        _register_process_group(ALIASES[axis], new_group(layout.groups(axis)[0]))

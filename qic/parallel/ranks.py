@@ -10,6 +10,7 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
+import signal
 import socket
 import sys
 import time
@@ -24,8 +25,11 @@ import torch.multiprocessing as mp
 from qic.errors import ConfigError, QicError
 
 # A rank that dies mid-run must not hang its peers: gloo collectives give up after this long (a peer
-# whose process exits is usually noticed at once, from the closed connection).
+# whose process exits is usually noticed at once, from the closed connection). Every group qic creates
+# has it (new_group below), not torch's 30-minute default for groups created without a timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
+# After the first rank fails, the others get the collective timeout to notice and this long to report.
+REPORT_GRACE_S = 10.0
 
 
 def group_name(group=None) -> str:
@@ -55,6 +59,22 @@ def init_from_env(backend: str = "gloo", timeout: datetime.timedelta = DEFAULT_T
     return dist.get_rank(), dist.get_world_size(), group_name()
 
 
+def group_timeout(group=None) -> datetime.timedelta:
+    """The timeout a process group (default: the world group) was created with; DEFAULT_TIMEOUT where torch
+    does not say (a fake group for tracing, a backend without gloo's options)."""
+    try:
+        return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return DEFAULT_TIMEOUT
+
+
+def new_group(ranks: list[int] | None = None, timeout: datetime.timedelta | None = None, backend: str | None = None):
+    """dist.new_group with the world group's timeout unless told another. Without a timeout torch gives a new
+    group gloo's 30 minutes, so a dead rank's peers would sit that long in a collective on it. Every process
+    group qic creates is made here (a test checks the sources)."""
+    return dist.new_group(ranks, timeout=timeout or group_timeout(), backend=backend)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -77,18 +97,44 @@ class RankFailure(QicError):
 
     def __init__(self, outcomes: list[RankOutcome]):
         self.outcomes = outcomes
-        lines = []
-        for o in outcomes:
-            if o.ok:
-                continue
-            if o.error:
-                lines.append(f"rank {o.rank}: {o.error}")
-            else:
-                lines.append(f"rank {o.rank}: exited with code {o.exitcode} without a result")
-        super().__init__("tensor-parallel run failed: " + "; ".join(lines))
+        # One line, the ranks that died first: their peers' errors (a closed connection, a timeout) follow
+        # from them. A rank's multi-line error keeps its first line here, all of it in .outcomes.
+        failed = sorted((o for o in outcomes if not o.ok), key=lambda o: (o.error is not None, o.rank))
+        super().__init__("tensor-parallel run failed: " + "; ".join(_describe(o) for o in failed))
 
 
-def _child(fn, rank: int, tp: int, port: int, threads: int, timeout_s: float, backend: str, args, q) -> None:
+def _describe(o: RankOutcome) -> str:
+    if o.error:
+        return f"rank {o.rank}: {o.error.splitlines()[0]}"
+    how = f"exited with code {o.exitcode}"
+    if o.exitcode is not None and o.exitcode < 0:
+        try:
+            how += f" ({signal.Signals(-o.exitcode).name})"
+        except ValueError:
+            pass
+    return f"rank {o.rank}: {how} without a result"
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this rank when the process that spawned it dies, however it dies
+    (SIGKILL of `qic run` or `qic serve`, the OOM killer), so no rank outlives it holding memory or a port.
+    SIGKILL because a rank may sit in a collective's C++ wait or ignore SIGTERM (serve's followers do). The
+    kernel watches the thread that started the rank, and spawn() waits for its ranks on that thread. The
+    parent may already have died before prctl: then this process has been re-parented and goes now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    pr_set_pdeathsig = 1   # <linux/prctl.h>
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _child(fn, parent: int, rank: int, tp: int, port: int, threads: int, timeout_s: float, backend: str, args,
+           q) -> None:
+    _die_with_parent(parent)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(tp), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(tp)})
     if sys.platform.startswith("linux"):
@@ -119,16 +165,19 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
     runs with `threads` torch threads and a process group whose collectives give up after
     `pg_timeout`. Returns the ranks' return values in rank order. If any rank raises or dies (or the
     whole run exceeds `timeout` seconds; None: no limit), raises RankFailure naming each failing rank's
-    error; the ranks still running are then terminated.
+    error, the ranks that died first. Once one rank fails, the others get `pg_timeout` (their collectives'
+    limit) and REPORT_GRACE_S to report; those still running are then killed. Every rank dies with this
+    process (_die_with_parent).
 
     notify: a signal sent to the ranks still running as soon as one fails, for ranks that would not
-    otherwise find out (a server's rank 0 waits on HTTP, not on a collective); they then get `pg_timeout`
-    to finish before they are terminated. Without it they fail through their next collective.
+    otherwise find out (a server's rank 0 waits on HTTP, not on a collective). Without it they fail through
+    their next collective.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, tp, port, threads, pg_timeout.total_seconds(), backend, args, q),
+    procs = [ctx.Process(target=_child, args=(fn, os.getpid(), r, tp, port, threads, pg_timeout.total_seconds(),
+                                                       backend, args, q),
                          daemon=True) for r in range(tp)]
     for p in procs:
         p.start()
@@ -138,11 +187,12 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
 
     def record(r: int, outcome: RankOutcome) -> None:
         nonlocal deadline
-        if notify is not None and not outcome.ok and all(o.ok for o in outcomes.values()):   # the first failure
-            for other, p in enumerate(procs):
-                if other != r and other not in outcomes and p.is_alive():
-                    os.kill(p.pid, notify)
-            deadline = min(deadline, time.monotonic() + pg_timeout.total_seconds())
+        if not outcome.ok and all(o.ok for o in outcomes.values()):   # the first failure
+            if notify is not None:
+                for other, p in enumerate(procs):
+                    if other != r and other not in outcomes and p.is_alive():
+                        os.kill(p.pid, notify)
+            deadline = min(deadline, time.monotonic() + pg_timeout.total_seconds() + REPORT_GRACE_S)
         outcomes[r] = outcome
 
     try:
@@ -171,6 +221,9 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():   # serve's followers ignore SIGTERM; a rank stuck in C++ may not get to it
+                p.kill()
                 p.join(timeout=5)
         q.close()
     ordered = [outcomes[r] for r in range(tp)]

@@ -59,8 +59,8 @@ def control_group(world: int):
     """A gloo group for passing batches from rank 0 (None at tp=1). Every rank calls it, in order."""
     if world == 1:
         return None
-    import torch.distributed as dist
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    from qic.parallel.ranks import new_group
+    return new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
 def follow(bundle: Bundle, group) -> None:
