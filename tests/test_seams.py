@@ -14,7 +14,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from qic.errors import ConfigError
+from qic.errors import BundleError, ConfigError
 from qic.spec import BuildSpec, load_spec, parse_spec
 from tests.conftest import ROOT, qic
 
@@ -122,10 +122,32 @@ def test_a_manifest_that_is_an_array_is_one_line(tmp_path):
     _one_line_refusal(qic("run", _fake_bundle(tmp_path, "[1, 2]"), "--prompt", "x", check=False), "corrupt manifest")
 
 
-def test_a_newer_bundle_format_says_upgrade_not_rebuild(tmp_path):
-    proc = qic("run", _fake_bundle(tmp_path, '{"format": 99}'), "--prompt", "x", check=False)
-    _one_line_refusal(proc, "newer than this qic", "upgrade qic")
-    assert "rebuild" not in proc.stderr
+def _bundle_of_format(bundle, tmp_path, fmt: int):
+    """The session bundle with its manifest's format set to `fmt` (its id recomputed, its files linked)."""
+    from qic.manifest import MANIFEST, bundle_id
+    copy = tmp_path / f"format-{fmt}"
+    shutil.copytree(bundle, copy, copy_function=os.link)
+    manifest = json.loads((bundle / MANIFEST).read_text()) | {"format": fmt}
+    (copy / MANIFEST).unlink()
+    (copy / MANIFEST).write_text(json.dumps(manifest | {"id": bundle_id(manifest)}))
+    return copy
+
+
+def test_a_bundle_from_the_future_says_upgrade_before_loading_anything(bundle, tmp_path, monkeypatch):
+    """A bundle made by a newer qic (format FORMAT_VERSION + 1, a valid manifest otherwise) is refused with
+    "upgrade qic", not "rebuild", before any graph loads; the same bundle at this FORMAT_VERSION loads."""
+    from qic.manifest import FORMAT_VERSION
+    from qic.runtime import bundle as runtime_bundle
+    future = _bundle_of_format(bundle, tmp_path, FORMAT_VERSION + 1)
+    proc = qic("run", future, "--prompt", "x", "--output", tmp_path / "x.png", check=False)
+    _one_line_refusal(proc, f"bundle format {FORMAT_VERSION + 1} is newer", "upgrade qic")
+    assert "rebuild" not in proc.stderr and not (tmp_path / "x.png").exists()
+    loaded = []
+    monkeypatch.setattr(runtime_bundle, "verify_files", lambda *a, **k: loaded.append(a) or 0)
+    with pytest.raises(BundleError, match="upgrade qic"):
+        runtime_bundle.Bundle(future)
+    assert not loaded   # refused at the manifest: not a file was checked, let alone a graph loaded
+    assert runtime_bundle.Bundle(_bundle_of_format(bundle, tmp_path, FORMAT_VERSION)).graphs   # the control
 
 
 @pytest.mark.parametrize("line,needle", [('{"prompt": "a", "seed": "3"}', "seed '3'"),
