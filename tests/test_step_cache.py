@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ import torch
 from PIL import Image
 
 from benchmarks.step_cache import dbcache_reference, diffusers_pipe, fbc_reference
-from tests.conftest import SHAPES_RES, SHORT_PROMPT, TINY_RES, image_diff, qic
+from tests.conftest import QIC, ROOT, SHAPES_RES, SHORT_PROMPT, TINY_RES, image_diff, qic
 from training import shapes
 
 STEPS = 10
@@ -251,18 +253,58 @@ def test_split_graphs_lower_and_run_on_xla_cpu(tp):
             assert r["all_reduce"] == 0
 
 
-def test_tp2_decides_and_draws_as_tp1(fbc_bundle, bundle_tp2, workdir, cache_dir, tiny_ckpt, tmp_path):
-    """The split graphs at TP 2 (two spawned ranks, gloo on loopback; rank 0's decisions broadcast): the TP 1
-    bundle's decisions, and its image within the bound (TP's split sums reorder fp32 only)."""
+@pytest.fixture(scope="module")
+def fbc_bundle_tp2(bundle_tp2, workdir, cache_dir, tiny_ckpt):
+    """fbc_bundle's split at TP 2: bundle_tp2's other graphs (cache hits), the split graphs new."""
     out = workdir / "bundle-step-cache-tp2"
     qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2", "--resolution",
-        "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--step-cache", "1,0")   # bundle_tp2's other graphs
-    tp2, _ = _qic_run(out, tmp_path, "tp2", "--cache-threshold", 1.1, "--tp", 2)
+        "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--step-cache", "1,0")
+    return out
+
+
+def test_tp2_decides_and_draws_as_tp1(fbc_bundle, fbc_bundle_tp2, tmp_path):
+    """The split graphs at TP 2 (two spawned ranks, gloo on loopback; rank 0's decisions broadcast): the TP 1
+    bundle's decisions, and its image within the bound (TP's split sums reorder fp32 only)."""
+    tp2, _ = _qic_run(fbc_bundle_tp2, tmp_path, "tp2", "--cache-threshold", 1.1, "--tp", 2)
     tp1, _ = _qic_run(fbc_bundle, tmp_path, "tp1", "--cache-threshold", 1.1)
     assert _computed(tp2) == _computed(tp1)
     worst, mean = image_diff(tp2, tp1)
     print(f"TP 2 vs TP 1, threshold 1.1: max {worst:.0f}/255, mean {mean / 255:.5f}")
     assert worst <= 2 and mean / 255 <= 0.02
+
+
+def test_tp2_rank_killed_mid_loop_is_one_line_naming_it(fbc_bundle_tp2, tmp_path):
+    """Issue 29: `qic run --tp 2` with step caching, rank 1 SIGKILLed (the OOM killer) in the second prompt's
+    loop: rank 0 fails within the collective timeout, and qic run exits 2 with one error line naming rank 1."""
+    import psutil
+
+    from qic.parallel.ranks import DEFAULT_TIMEOUT, REPORT_GRACE_S
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": SHORT_PROMPT, "seed": i, "output": str(tmp_path / f"{i}.png")})
+                               + "\n" for i in range(20)))
+    proc = subprocess.Popen([*QIC, "run", str(fbc_bundle_tp2), "--tp", "2", "--prompts-file", str(prompts), "--steps",
+                             str(STEPS), "--cache-threshold", "1.1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(tmp_path.glob("*.png")):   # the first image is out: the ranks are in the second's loop
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        ranks = sorted((k for k in psutil.Process(proc.pid).children() if "resource_tracker" not in
+                        " ".join(k.cmdline())), key=lambda k: (k.create_time(), k.pid))   # started in rank order
+        ranks[1].kill()
+        t = time.monotonic()
+        _, err = proc.communicate(timeout=DEFAULT_TIMEOUT.total_seconds() + REPORT_GRACE_S + 30)
+        seconds = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    print(f"rank 1 killed: qic run exited {proc.returncode} {seconds:.2f} s later; stderr: {err!r}")
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, err
+    assert errors[0].startswith("error: tensor-parallel run failed: rank 1: exited with code -9 (SIGKILL)"), err
+    assert seconds < DEFAULT_TIMEOUT.total_seconds() + REPORT_GRACE_S
 
 
 def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_inductor(fbc_bundle, workdir, tiny_ckpt, tmp_path):
