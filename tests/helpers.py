@@ -67,3 +67,28 @@ def mmdit_bound(name: str) -> float:
     from qic.checkpoint.presets import preset
     c = preset(name)["transformer"]
     return fp32_reorder_bound(4 * c["num_attention_heads"] * c["attention_head_dim"], 8 * c["num_layers"] + 4)
+
+
+def rewritten_bundle(src, dst, component: str | None = None, edit=None, manifest=None):
+    """A FAKE other bundle: a copy of bundle `src` at `dst` whose `component` weight file is edit(its tensors)
+    and/or whose manifest is manifest(its dict), re-hashed (file entry and id) so that it verifies and loads
+    as a bundle of its own."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from qic.manifest import file_entry, finalize
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    if edit is not None:
+        rel = next(g["weights"][0] for g in m["graphs"] if g["component"] == component)
+        tensors = edit(load_file(str(dst / rel)))
+        (dst / rel).unlink()   # a copy may share the session bundle's inode (hard links): never write through it
+        save_file(tensors, str(dst / rel))
+        m["files"][rel] = file_entry(dst, rel)
+    m = manifest(m) if manifest is not None else m
+    (dst / "manifest.json").write_text(json.dumps(finalize({k: v for k, v in m.items() if k != "id"})))
+    return dst
