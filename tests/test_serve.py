@@ -556,15 +556,17 @@ def test_serve_runs_with_another_bundles_weights_as_qic_run_does(server, bundle,
     assert np.abs(pixels[0] - pixels[1]).max() > 8
 
 
-@pytest.mark.parametrize("flags", [["--device", "neuron"], ["--weights", "{tmp}"], ["--weights", "{tmp}/absent"]],
-                         ids=["device", "weights-not-a-bundle", "weights-absent"])
-def test_serve_refuses_load_flags_with_qic_runs_error(bundle, tmp_path, flags):
+@pytest.mark.parametrize("flags, says", [(["--device", "neuron"], "runs on device cpu or cuda, not 'neuron'"),
+                                         (["--weights", "{tmp}"], "not a qic bundle (no manifest.json)")],
+                         ids=["device", "weights-not-a-bundle"])
+def test_serve_refuses_load_flags_with_qic_runs_error(bundle, tmp_path, flags, says):
     """The same one-line error as `qic run` gives for the same flag (exit 2, no traceback)."""
     flags = [f.format(tmp=tmp_path) for f in flags]
     ran = qic("run", bundle, "--prompt", "x", *flags, check=False)
     served = qic("serve", bundle, "--port", 0, *flags, check=False, timeout=300)   # ignoring them, it would serve
     first = [next(line for line in p.stderr.splitlines() if line.startswith("error:")) for p in (ran, served)]
     assert ran.returncode == served.returncode == 2 and first[0] == first[1], (ran.stderr, served.stderr)
+    assert says in first[1], first[1]
     assert "Traceback" not in served.stderr and "listening" not in served.stdout
 
 
