@@ -91,3 +91,28 @@ def assert_die_with(proc: subprocess.Popen, within: float = 10.0) -> list:
     assert not left, f"{[' '.join(p.cmdline())[:80] for p in left]} outlived their parent"
     print(f"{len(below)} processes under pid {proc.pid} gone {time.monotonic() - t:.2f} s after its SIGKILL")
     return below
+
+
+def rewritten_bundle(src, dst, component: str | None = None, edit=None, manifest=None):
+    """A FAKE other bundle: a copy of bundle `src` at `dst` whose `component` weight file is edit(its tensors)
+    and/or whose manifest is manifest(its dict), re-hashed (file entry and id) so that it verifies and loads
+    as a bundle of its own."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from qic.manifest import file_entry, finalize
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    if edit is not None:
+        rel = next(g["weights"][0] for g in m["graphs"] if g["component"] == component)
+        tensors = edit(load_file(str(dst / rel)))
+        (dst / rel).unlink()   # a copy may share the session bundle's inode (hard links): never write through it
+        save_file(tensors, str(dst / rel))
+        m["files"][rel] = file_entry(dst, rel)
+    m = manifest(m) if manifest is not None else m
+    (dst / "manifest.json").write_text(json.dumps(finalize({k: v for k, v in m.items() if k != "id"})))
+    return dst

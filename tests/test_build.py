@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from qic.manifest import read_manifest, verify_files
 from qic.models.looped import unstack_block_weights
 from tests.conftest import BUCKETS, FAULTY_QIC, QIC, ROOT, SECOND_RES, TINY_RES, qic
+from tests.helpers import rewritten_bundle
 
 
 def _rows(stdout: str) -> dict[str, str]:
@@ -40,6 +41,18 @@ def test_bundle_layout_and_inspect(bundle):
     assert m["model"]["digest"] and m["scheduler"]["use_dynamic_shifting"] is True
     out = qic("inspect", bundle).stdout
     assert "all hashes match" in out and f"denoiser@{res}@L{BUCKETS[0]}" in out
+
+
+def test_inspect_prints_a_layouts_rank_mapping_and_groups(bundle, tmp_path):
+    """`qic inspect`'s layout line, on a FAKE manifest: the session bundle's with layout Ulysses 2 x CFG-parallel 2
+    (re-hashed; inspect reads the manifest only, so no graph needs building). The groups are written out here
+    from the mapping rank = (cfg * U + sp) * TP + tp, not taken from qic.parallel.mesh; a plain bundle has no line."""
+    fake = rewritten_bundle(bundle, tmp_path / "u2cfg2", manifest=lambda m: {
+        **m, "layout": {"tp": 1, "ulysses": 2, "cfg": 2, "world": 4}})
+    out = " ".join(qic("inspect", fake).stdout.split())   # rich wraps long lines
+    assert "layout TP 1 x Ulysses 2 x CFG-parallel 2 (world 4): rank = (cfg * 2 + sp) * 1 + tp" in out, out
+    assert "sp groups [[0, 1], [2, 3]]" in out and "cfg groups [[0, 2], [1, 3]]" in out and "tp groups" not in out
+    assert "layout " not in qic("inspect", bundle).stdout
 
 
 def test_weight_shards_hold_the_checkpoint_tensors(bundle, tiny_ckpt):

@@ -14,6 +14,7 @@ from qic.errors import ConfigError
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from tests.conftest import BUCKETS, TINY_RES, image_diff, qic
+from tests.helpers import rewritten_bundle
 from tests.test_variants import BOUND_MAX, BOUND_MEAN
 
 RANK, ALPHA, SCALE, STEPS = 4, 6.0, 0.7, 2    # alpha / rank = 1.5 and scale 0.7: neither factor is 1
@@ -198,21 +199,14 @@ def _finetune(src, dst):
 def test_weights_of_another_architecture_are_refused(bundle, tmp_path):
     """A fake 'other architecture' bundle: the session bundle with one denoiser tensor reshaped, its manifest
     re-hashed so that only the signature check can refuse it."""
-    from safetensors.torch import load_file
-
     from qic.errors import BundleError
-    from qic.manifest import file_entry, finalize
-    other = tmp_path / "other"
-    shutil.copytree(bundle, other)
-    m = json.loads((other / "manifest.json").read_text())
-    rel = next(g["weights"][0] for g in m["graphs"] if g["component"] == "denoiser")
-    sd = load_file(str(other / rel))
-    name = sorted(sd)[0]
-    sd[name] = torch.cat([sd[name], sd[name]])
-    (other / rel).unlink()
-    save_file(sd, str(other / rel))
-    m["files"][rel] = file_entry(other, rel)
-    (other / "manifest.json").write_text(json.dumps(finalize({k: v for k, v in m.items() if k != "id"})))
+    names = []
+
+    def reshape_first(sd):
+        names.append(name := sorted(sd)[0])
+        return {**sd, name: torch.cat([sd[name], sd[name]])}
+    other = rewritten_bundle(bundle, tmp_path / "other", "denoiser", reshape_first)
+    [name] = names
     with pytest.raises(BundleError, match=f"graph signatures differ: denoiser tensor {name}"):
         Bundle(bundle, weights_from=other)
     proc = qic("run", bundle, "--prompt", PROMPT, "--weights", other, check=False)

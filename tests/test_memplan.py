@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from benchmarks.peak import measure
@@ -80,7 +82,7 @@ def test_estimates_within_25_percent_of_measured_peaks(name):
     configs = {n: c.parse_config(raw[c.folder]) for n, c in COMPONENTS.items()}
 
     def estimate(comp, shape):
-        inputs, largest, act = estimate_graph(comp, configs, 1, "float32", shape)
+        inputs, largest, act, _ = estimate_graph(comp, configs, 1, "float32", shape)
         assert largest <= act
         return weight_bytes(comp, configs[comp], 1, "float32") + inputs + act, act
 
@@ -154,3 +156,36 @@ def test_build_prints_the_plan_before_any_work(tmp_path):
     (plan,) = seen
     assert [c.ranks for c in plan.components] == [2, 2, 1]
     assert re.fullmatch(r"denoiser@128x128@L128", plan.graphs[1].name)   # the default model's first resolution
+
+
+@pytest.mark.parametrize("split", [(1, 0), (1, 1)], ids=["F1B0", "F1B1"])
+def test_plan_flops_of_the_step_and_its_cache_parts_equal_a_count_of_the_eager_graphs(split, tmp_path):
+    """`qic plan --step-cache`: each denoiser graph's FLOPs (the whole step, head, mid, mid@R1, tail) against
+    torch's FLOP counter over the same graph run eagerly at the real depth on real weights (the tiny preset,
+    3 blocks). FLOPs follow from shapes alone, so the two are equal exactly: the plan's come from fake tensors at
+    fewer layers, extrapolated linearly. It can fail: the middle counted at one block fewer (what the plan gave
+    when it ran one layer, where the middle had none; with F1B1 it has none at one block fewer) differs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from qic.builder.jobs import graph_shapes, make_graph, name_of
+    spec = parse_spec({"model": "embedded:tiny", "resolutions": ["48x80"], "text_buckets": [128],
+                       "components": ["denoiser", "vae_decoder"], "step_cache": list(split)})
+    configs, raw = resolve_configs(spec.model, tmp_path)
+    plan = {g.name: g.flops for g in plan_memory(spec, configs, raw, None).graphs if g.component == "denoiser"}
+
+    def count(shape: dict, layers: int) -> int:
+        cfgs = {**configs, "denoiser": dataclasses.replace(configs["denoiser"], num_layers=layers)}
+        torch.manual_seed(0)
+        gdef = make_graph("denoiser", COMPONENTS["denoiser"].make_module(cfgs["denoiser"]).eval(), cfgs, shape,
+                          "float32")
+        with torch.no_grad(), FlopCounterMode(display=False) as flops:
+            gdef.module(*[t for _, t in gdef.inputs])
+        return flops.get_total_flops()
+
+    shapes = {name_of(c, s): s for c, s in graph_shapes(spec) if c == "denoiser"}
+    assert {n.removeprefix("denoiser@48x80@L128") for n in shapes} == {"", "@head", "@mid", "@mid@R1", "@tail"}
+    layers = configs["denoiser"].num_layers
+    for name, shape in shapes.items():
+        assert plan[name] == count(shape, layers), name
+    mid = shapes["denoiser@48x80@L128@mid"]
+    assert plan["denoiser@48x80@L128@mid"] > 0 and plan["denoiser@48x80@L128@mid"] != count(mid, layers - 1)

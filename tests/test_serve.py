@@ -29,7 +29,7 @@ from qic.errors import ConfigError
 from qic.serve.client import request
 from qic.serve.queue import Job, take_group
 from tests.conftest import BUCKETS, QIC, ROOT, TINY_RES, qic
-from tests.helpers import assert_die_with
+from tests.helpers import assert_die_with, rewritten_bundle
 
 SIZE = "{1}x{0}".format(*TINY_RES)   # OpenAI's WIDTHxHEIGHT
 STEPS = 2
@@ -545,6 +545,43 @@ def test_serve_refusals_are_one_line(bundle):
         proc = qic("serve", bundle, "--port", taken.getsockname()[1], check=False)
     assert proc.returncode == 2 and "cannot listen on 127.0.0.1:" in proc.stderr, proc.stderr
 
+
+
+def test_serve_runs_with_another_bundles_weights_as_qic_run_does(server, bundle, tmp_path):
+    """--weights, --device and --verify-all load the bundle as `qic run` does: the server's PNG with a FAKE
+    other bundle's weights (the session bundle's denoiser weights x 1.05, re-hashed) is `qic run --weights`'s,
+    byte for byte, and its pixels differ from the plain server's (the comparison can tell the weights apart)."""
+    import numpy as np
+    other = rewritten_bundle(bundle, tmp_path / "other", "denoiser", lambda sd: {k: v * 1.05 for k, v in sd.items()})
+    srv = ServeProcess(bundle, tmp_path / "serve.log", "--weights", other, "--device", "cpu", "--verify-all")
+    try:
+        status, _, body = gen(srv.port, seed=6)
+    finally:
+        srv.close()
+    assert status == 200, body
+    qic("run", bundle, "--weights", other, "--device", "cpu", "--verify-all", "--prompt", "a red bicycle",
+        "--steps", STEPS, "--seed", 6, "--output", tmp_path / "run.png")
+    assert png_of(body) == (tmp_path / "run.png").read_bytes()
+    status, _, plain = gen(server.port, seed=6)
+    texts = [Image.open(io.BytesIO(png_of(b))).text for b in (body, plain)]
+    assert status == 200 and texts[0]["weights"] == json.loads((other / "manifest.json").read_text())["id"]
+    assert "weights" not in texts[1]
+    pixels = [np.asarray(Image.open(io.BytesIO(png_of(b))), dtype=np.int16) for b in (body, plain)]
+    assert np.abs(pixels[0] - pixels[1]).max() > 8
+
+
+@pytest.mark.parametrize("flags, says", [(["--device", "neuron"], "runs on device cpu or cuda, not 'neuron'"),
+                                         (["--weights", "{tmp}"], "not a qic bundle (no manifest.json)")],
+                         ids=["device", "weights-not-a-bundle"])
+def test_serve_refuses_load_flags_with_qic_runs_error(bundle, tmp_path, flags, says):
+    """The same one-line error as `qic run` gives for the same flag (exit 2, no traceback)."""
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    ran = qic("run", bundle, "--prompt", "x", *flags, check=False)
+    served = qic("serve", bundle, "--port", 0, *flags, check=False, timeout=300)   # ignoring them, it would serve
+    first = [next(line for line in p.stderr.splitlines() if line.startswith("error:")) for p in (ran, served)]
+    assert ran.returncode == served.returncode == 2 and first[0] == first[1], (ran.stderr, served.stderr)
+    assert says in first[1], first[1]
+    assert "Traceback" not in served.stderr and "listening" not in served.stdout
 
 
 def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):

@@ -155,6 +155,22 @@ def test_threshold_zero_is_the_uncached_image_and_a_mask_replays_decisions(fbc_b
     assert np.array_equal(np.asarray(masked), np.asarray(cached))
 
 
+def test_inspect_names_the_split_and_lists_its_graphs(fbc_bundle, bundle):
+    """`qic inspect`'s step-caching line says the split the bundle was built with, and the graphs table holds the
+    four split graphs beside the whole step; a bundle built without --step-cache has neither."""
+    def inspect(path) -> tuple[str, set[str]]:   # (its text, the graphs table's first column), unwrapped
+        out = qic("inspect", path, env={"COLUMNS": "300"}).stdout
+        return out, {line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")}
+
+    out, graphs = inspect(fbc_bundle)
+    assert "step caching: split graphs, first 1 and last 0 blocks always computed" in out, out
+    step = "denoiser@{}x{}@L72".format(*TINY_RES)
+    assert {step, f"{step}@head", f"{step}@mid", f"{step}@mid@R1", f"{step}@tail"} <= graphs, graphs
+    plain, graphs = inspect(bundle)
+    assert "step caching" not in plain and not any("@head" in g or "@mid" in g or "@tail" in g for g in graphs)
+    assert graphs   # the table was read
+
+
 def test_first_block_cache_matches_diffusers_on_the_trained_model(shapes_bundle, workdir, cache_dir, shapes_pipe,
                                                                   tmp_path):
     """The trained model (4 blocks), compiled with FirstBlockCache's split: its text encoder, whole step and

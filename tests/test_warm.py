@@ -352,6 +352,45 @@ def test_warm_matrices_expand():
     assert (928, 1664) in specs["qwen-image.yaml"][0].resolutions
 
 
+def test_a_matrix_of_layouts_and_step_caches_plans_what_each_build_plans(tmp_path, tiny_ckpt):
+    """ulysses, cfg_parallel and step_cache are axes like any key (one step_cache is a pair, so its axis is a
+    list of pairs or null): the matrix expands to their product, and each spec's jobs are the job ids `qic
+    build` plans for the same flags over the full checkpoint (qic.builder.pipeline.build's own planning),
+    while warm plans from the configs alone. No compile: planning keys graphs without exporting them."""
+    from qic.backends import backend_for
+    from qic.builder.context import Context, validate
+    from qic.builder.jobs import plan_jobs
+    from qic.builder.warm import expand_matrix, plan
+    from qic.spec import load_spec
+    matrix = tmp_path / "layouts.yaml"
+    matrix.write_text(f"model: {json.dumps(str(tiny_ckpt))}\nresolutions: [48x80]\ntext_buckets: [128]\n"
+                      "ulysses: [1, 2]\ncfg_parallel: [false, true]\nstep_cache: [null, [1, 0]]\n")
+    specs = expand_matrix(matrix)
+    combos = [(s.ulysses, s.cfg_parallel, s.step_cache) for s in specs]
+    assert sorted(combos, key=str) == sorted(((u, c, sc) for u in (1, 2) for c in (False, True)
+                                             for sc in (None, (1, 0))), key=str)
+    built = {}
+    for u, c, sc in combos:   # what `qic build --ulysses U [--cfg-parallel] [--step-cache 1,0]` plans
+        spec = load_spec(None, {"model": str(tiny_ckpt), "resolutions": ["48x80"], "text_buckets": "128",
+                                "ulysses": u, "cfg_parallel": c or None, "step_cache": "1,0" if sc else None})
+        ctx = Context(spec, None)
+        validate(spec, ctx)
+        built[u, c, sc] = {j.job_id: j.name for j in plan_jobs(spec, ctx.configs, ctx.raw, backend_for(spec))}
+    for spec, combo in zip(specs, combos):
+        jobs, failed = plan([spec])
+        assert not failed and {pj.job.job_id: pj.job.name for pj in jobs} == built[combo], combo
+    # Each key changes the denoiser's jobs (a warm ignoring one would plan another build's graphs) ...
+    step = {combo: {i for i, n in ids.items() if n.startswith("denoiser")} for combo, ids in built.items()}
+    assert len({frozenset(v) for v in step.values()}) == len(step)
+    assert all(any("@head" in n for n in built[k].values()) == bool(k[2]) for k in built)
+    # ... and the whole matrix is their union, each shared graph (the text encoder, the VAE) once.
+    jobs, _ = plan(specs)
+    assert sorted(pj.job.job_id for pj in jobs) == sorted(set().union(*built.values()))
+    # One pair is one value, not an axis of two.
+    matrix.write_text(matrix.read_text().replace("[null, [1, 0]]", "[8, 0]").replace("[1, 2]", "2"))
+    assert [(s.ulysses, s.step_cache) for s in expand_matrix(matrix)] == [(2, (8, 0))] * 2
+
+
 @pytest.fixture()
 def hub(tmp_path):
     """The Hub store's HTTP calls go to a local STAND-IN server (tests/hub_standin.py), not the Hub."""

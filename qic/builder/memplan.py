@@ -13,8 +13,11 @@ dies; views and in-place results share their base's memory and add nothing). It 
 way as the resident-set growth of a process that materialises the weights and runs the graph
 (`benchmarks.peak`; tests/test_memplan.py holds the estimate to 25% of that). A compiled graph fuses
 ops and plans its buffers, so its activations are usually smaller; weights dominate at real scale.
-The estimate runs the unrolled form with one layer (the looped form, like L unrolled layers run
-eagerly, holds one layer's activations at a time).
+The estimate runs the unrolled form with the fewest layers that give every block range of the graph a block:
+one, or for a step-caching part first + last + 1, so that the middle has one (the looped form, like L unrolled
+layers run eagerly, holds one layer's activations at a time). FLOPs per graph (one rank's, as
+torch.utils.flop_counter counts them) are at the real depth: a graph's FLOPs are linear in the layer count
+(identical blocks), so two runs, at n and n + 1 layers, give them at L exactly.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class GraphPlan:
     input_bytes: int
     largest_activation: int
     activation_peak: int       # high-water mark of live intermediate tensors
+    flops: int                 # one call's, on one rank, at the real depth
     compile_seconds: float     # 0 when the cache already holds it
     cached: bool
     artifact_bytes: int
@@ -171,18 +175,36 @@ def weight_bytes(component: str, config, tp: int, dtype: str, looped: bool = Fal
 
 
 def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: dict,
-                   layout=None) -> tuple[int, int, int]:
-    """(input bytes, largest activation, activation peak) of one graph, on fake tensors. Under a parallel
+                   layout=None) -> tuple[int, int, int, int]:
+    """(input bytes, largest activation, activation peak, FLOPs) of one graph, on fake tensors. Under a parallel
     layout the denoiser's step runs with its real collectives on a fake process group (Ulysses' shards)."""
     from qic.builder.binding import fake_world_for
     from qic.parallel.mesh import Layout
     layout = layout if layout is not None and component == "denoiser" else Layout()
+    config = configs[component]
     with fake_world_for(layout) if not layout.plain else contextlib.nullcontext():
-        return _estimate(component, configs, tp, dtype, shape, layout)
+        if not hasattr(config, "num_layers"):
+            return _estimate(component, configs, tp, dtype, shape, layout)
+        n = fewest_layers(shape)
+        inputs, largest, peak, flops = _estimate(component, _at_depth(configs, component, n), tp, dtype, shape, layout)
+        more = _estimate(component, _at_depth(configs, component, n + 1), tp, dtype, shape, layout)[3]
+    return inputs, largest, peak, flops + (config.num_layers - n) * (more - flops)
 
 
-def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, layout) -> tuple[int, int, int]:
+def fewest_layers(shape: dict) -> int:
+    """Layers run one after another and only their fixed-size carry outlives a layer, so the fewest layers
+    that leave each of the graph's block ranges one block (a step-caching part's: first, the middle, last)
+    have the same activation peak as L, at a fraction of the estimate's time."""
+    return shape["first"] + shape["last"] + 1 if "part" in shape else 1
+
+
+def _at_depth(configs: dict, component: str, layers: int) -> dict:
+    return {**configs, component: dataclasses.replace(configs[component], num_layers=layers)}
+
+
+def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, layout) -> tuple[int, int, int, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
 
     from qic.parallel.sequence import apply_layout
     comp = COMPONENTS[component]
@@ -191,7 +213,7 @@ def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, l
     with FakeTensorMode(allow_non_fake_inputs=True):
         torch.set_default_dtype(TORCH_DTYPES[dtype])  # built in the dtype: .to() cannot swap fake parameters
         try:
-            module = comp.make_module(_one_layer(configs[component]), tp_size=tp).eval()
+            module = comp.make_module(configs[component], tp_size=tp).eval()
         finally:
             torch.set_default_dtype(default)
         if layout.plain:
@@ -200,10 +222,10 @@ def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, l
         if not layout.plain:
             apply_layout(gdef.module, layout)
         args = [t for _, t in gdef.inputs]
-        with torch.no_grad(), LiveBytes() as live:
+        with torch.no_grad(), FlopCounterMode(display=False) as flops, LiveBytes() as live:
             out = gdef.module.eval()(*args)
             del out
-    return sum(t.numel() * t.element_size() for t in args), live.largest, live.peak
+    return sum(t.numel() * t.element_size() for t in args), live.largest, live.peak, flops.get_total_flops()
 
 
 # The functional collectives' ops, by the HLO opcode each lowers to (qic/backends/neuron/lower.py).
@@ -259,14 +281,6 @@ def step_traffic(configs: dict, layout, dtype: str, shape: dict) -> dict:
     return {k: one[k] + (layers - 1) * (two[k] - one[k]) for k in one}
 
 
-def _one_layer(config):
-    """Layers run one after another and only their fixed-size carry outlives a layer, so one layer has the
-    same activation peak as L (and costs 1/L of the estimate's time: fake-tensor ops take milliseconds)."""
-    if hasattr(config, "num_layers"):
-        return dataclasses.replace(config, num_layers=1)
-    return config
-
-
 def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, jobs: list | None = None) -> MemoryPlan:
     """The plan for a build spec, given parsed component configs (and the raw ones, for spec keys). `jobs`:
     the build's own planned jobs (qic.builder.jobs.plan_jobs), so a build keys its graphs once."""
@@ -290,14 +304,14 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
         if shape.get("bucket") == 0:  # exact-length text: sized at the longest prompt it accepts
             sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
         gname = name_of(name, shape)
-        inputs, largest, peak = _estimate_cached(cache_dir, keys.get(gname),
+        inputs, largest, peak, flops = _estimate_cached(cache_dir, keys.get(gname),
                                                  lambda: estimate_graph(name, configs, tp, spec.dtype_of(name), sized,
                                                                         spec.layout))
         cached = _is_cached(cache_dir, keys.get(gname))
         secs = [r["compile_seconds"] for r in records.get(name, [])]
         sizes = [r["bytes"] for r in records.get(name, [])]
         plan.graphs.append(GraphPlan(
-            gname, name, per_rank[name], inputs, largest, peak,
+            gname, name, per_rank[name], inputs, largest, peak, flops,
             0.0 if cached else (statistics.median(secs) if secs else DEFAULT_COMPILE_SECONDS), cached,
             int(statistics.median(sizes)) if sizes else DEFAULT_ARTIFACT_BYTES))
     if "denoiser" in spec.components and True in spec.cfg:
@@ -309,7 +323,7 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
     return plan
 
 
-def _estimate_cached(cache_dir: Path | None, skey: str | None, compute) -> tuple[int, int, int]:
+def _estimate_cached(cache_dir: Path | None, skey: str | None, compute) -> tuple[int, int, int, int]:
     """A graph's estimate is a function of what its spec key covers (configs, shape, dtype, TP, qic's model
     code), so it is kept in the cache under that key: a no-op build prints its plan without re-running
     the fake-tensor estimate (seconds, and an import of torch._dynamo). Nothing is written to a cache
@@ -317,7 +331,9 @@ def _estimate_cached(cache_dir: Path | None, skey: str | None, compute) -> tuple
     path = layout.plan_file(cache_dir, skey) if cache_dir is not None and skey else None
     if path is not None:
         try:
-            return tuple(json.loads(path.read_text())["estimate"])
+            value = tuple(json.loads(path.read_text())["estimate"])
+            if len(value) == 4:   # older records lack the FLOPs: estimated again
+                return value
         except (OSError, ValueError, KeyError, TypeError):
             pass
     value = compute()

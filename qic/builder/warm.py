@@ -31,7 +31,7 @@ from qic.errors import ConfigError, QicError, warn
 from qic.fsutil import write_bytes_atomic
 
 # Keys whose list value is an axis of the matrix (resolutions, text buckets, components are lists anyway).
-AXES = ("model", "backend", "device", "tp", "dtype", "layers")
+AXES = ("model", "backend", "device", "tp", "dtype", "layers", "ulysses", "cfg_parallel", "step_cache")
 
 
 @dataclass
@@ -64,7 +64,7 @@ def expand_matrix(path: str | Path, overrides: Mapping | None = None) -> list:
     path = Path(path)
     raw = read_yaml_mapping(path)
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    axes = [(k, raw[k] if isinstance(raw.get(k), list) else [raw[k]]) for k in AXES if k in raw]
+    axes = [(k, _axis(k, raw[k])) for k in AXES if k in raw]
     specs = []
     for values in itertools.product(*(v for _, v in axes)):
         entry = {**raw, **dict(zip((k for k, _ in axes), values))}
@@ -75,6 +75,17 @@ def expand_matrix(path: str | Path, overrides: Mapping | None = None) -> list:
             continue  # a back end paired with another back end's device: not a combination anyone means
         specs.append(parse_spec(entry, source=str(path)))
     return specs
+
+
+def _axis(key: str, value) -> list:
+    """A key's values in the matrix. One step_cache is itself a pair ([1, 0]), so only a list holding
+    something other than integers is its axis: [[1, 0], [8, 0]], ["1,0", "8,0"], [null, [1, 0]] (null:
+    without the split graphs)."""
+    if not isinstance(value, list):
+        return [value]
+    if key == "step_cache" and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [value]
+    return value
 
 
 @dataclass
@@ -98,10 +109,19 @@ def plan(specs) -> tuple[list[PlannedJob], list[WarmRow]]:
             for job in plan_jobs(spec, ctx.configs, ctx.raw, backend):
                 jobs.setdefault(job.job_id, PlannedJob(job, ctx, backend, model))
         except QicError as e:
-            warn(f"{model} ({spec.backend}, {spec.device}, tp={spec.tp}) cannot be planned: {e.message}")
-            failed.append(WarmRow(f"plan:{model}:{spec.backend}:{spec.device}:tp{spec.tp}", "(planning)", model,
-                                  "failed", error=e.message))
+            where = _where(spec)
+            warn(f"{model} ({', '.join(where)}) cannot be planned: {e.message}")
+            failed.append(WarmRow(":".join(("plan", model, *where)).replace(" ", ""), "(planning)", model, "failed",
+                                  error=e.message))
     return [jobs[k] for k in sorted(jobs)], failed
+
+
+def _where(spec) -> tuple[str, ...]:
+    """What tells one of a matrix's specs from the others, for a failed row's id and its warning."""
+    lay = spec.layout
+    return (spec.backend, spec.device, f"tp={spec.tp}") + ((f"ulysses={lay.ulysses}",) if lay.ulysses > 1 else ()) \
+        + (("cfg_parallel",) if lay.cfg > 1 else ()) \
+        + ((f"step_cache={spec.step_cache[0]},{spec.step_cache[1]}",) if spec.step_cache else ())
 
 
 def shard_of(jobs: list, index: int, count: int) -> list:

@@ -118,6 +118,24 @@ def _overrides(resolutions, loras=(), cache_public_keys=(), **flags) -> dict:
             "cache_public_keys": list(cache_public_keys) or None}
 
 
+# How a bundle is loaded, the same for `qic run` and `qic serve` (qic.runtime.bundle.Bundle's arguments).
+_LOAD_OPTIONS = [
+    click.option("--device", default=None,
+                 help="Where to run (default: the bundle's): cpu | cuda for inductor bundles; "
+                      "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU)."),
+    click.option("--weights", "weights_from", type=click.Path(file_okay=False),
+                 help="Run with another bundle's weights (same architecture: e.g. Qwen-Image-2512, a LoRA build)."),
+    click.option("--verify-all", is_flag=True,
+                 help="Re-hash every weight file, not only those changed since they were last verified."),
+]
+
+
+def _load_options(fn):
+    for option in reversed(_LOAD_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
 @main.command("build")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @_build_options
@@ -253,11 +271,7 @@ def inspect_command(bundle, verify):
               help="Resident mode: one prompt per line, or JSONL with per-line options.")
 @click.option("--interactive", is_flag=True, help="Resident mode: read prompts from the terminal.")
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
-@click.option("--device", default=None,
-              help="Where to run (default: the bundle's): cpu | cuda for inductor bundles; "
-                   "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU).")
-@click.option("--weights", "weights_from", type=click.Path(file_okay=False),
-              help="Run with another bundle's weights (same architecture: e.g. Qwen-Image-2512, a LoRA build).")
+@_load_options
 @click.option("--cache-threshold", type=float, default=None,
               help="Step caching: reuse the middle blocks' residual when the first blocks' changed by at most this "
                    "(relative L1; 0: off). Needs a bundle built with --step-cache.")
@@ -269,8 +283,6 @@ def inspect_command(bundle, verify):
 @click.option("--cache-steps", default=None,
               help="Step caching with a static mask: the steps that compute, e.g. 0-7,9,11,13 (no per-step read).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
-@click.option("--verify-all", is_flag=True,
-              help="Re-hash every weight file, not only those changed since they were last verified.")
 @_friendly
 def run_command(bundle, **options):
     """Generate images with a built bundle."""
@@ -298,10 +310,11 @@ def doctor_command(as_json):
 @click.option("--max-n", type=int, default=4, show_default=True, help="Most images one request may ask for.")
 @click.option("--max-batch", type=int, default=8, show_default=True,
               help="Most compatible images run as one batch, where the bundle has graphs for it.")
+@_load_options
 @_friendly
-def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch):
+def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, **load):
     """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
     from qic.cli.serve import run_serve
     from qic.serve.settings import Settings
-    run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch))
+    run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch), load)
 

@@ -36,10 +36,10 @@ def print_plan(plan, model: str, console: Console) -> None:
         comps.add_row(c.name, c.dtype, str(c.ranks), size(c.bytes_per_rank), f"{c.bytes_per_rank / c.bytes_tp1:.3f}",
                       size(c.ranks * c.bytes_per_rank))
     graphs = Table(title="graphs (per rank; peak = weights + inputs + live activations, run eagerly)")
-    for col in ("graph", "weights", "largest activation", "peak (est.)", "compile (est.)"):
+    for col in ("graph", "weights", "largest activation", "peak (est.)", "GFLOP", "compile (est.)"):
         graphs.add_column(col, justify="left" if col == "graph" else "right")
     for g in plan.graphs:
-        graphs.add_row(g.name, size(g.weight_bytes), size(g.largest_activation), size(g.peak),
+        graphs.add_row(g.name, size(g.weight_bytes), size(g.largest_activation), size(g.peak), f"{g.flops / 1e9:.3f}",
                        "cached" if g.cached else f"{g.compile_seconds:.0f}s")
     console.print(comps)
     console.print(graphs)

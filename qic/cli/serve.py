@@ -23,7 +23,9 @@ from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 PEER_DIED = signal.SIGUSR1
 
 
-def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) -> None:
+def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, load: dict | None = None) -> None:
+    """load: how the bundle is loaded, as `qic run` takes it (device, weights_from, verify_all: Bundle's)."""
+    load = {k: v for k, v in (load or {}).items() if v is not None}
     ranks = bundle_world(bundle_path, tp, "serve")
     if torchrun_world() is not None:
         raise ConfigError("qic serve starts its own ranks; do not launch it with torchrun",
@@ -34,10 +36,10 @@ def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings) 
     if not settings.timeout > 0:
         raise ConfigError("--timeout must be a positive number of seconds")
     if ranks == 1:
-        serve_rank(0, 1, bundle_path, host, port, settings)
+        serve_rank(0, 1, bundle_path, host, port, settings, load)
         return
     signal.signal(signal.SIGTERM, _forward_to_ranks)
-    spawn_ranks(serve_rank, ranks, bundle_path, host, port, settings, timeout=None, notify=PEER_DIED)
+    spawn_ranks(serve_rank, ranks, bundle_path, host, port, settings, load, timeout=None, notify=PEER_DIED)
 
 
 def _forward_to_ranks(sig, frame) -> None:
@@ -48,7 +50,8 @@ def _forward_to_ranks(sig, frame) -> None:
         os.kill(child.pid, sig)
 
 
-def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, settings) -> None:
+def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, settings,
+               load: dict | None = None) -> None:
     if rank > 0:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -62,7 +65,7 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
     # Rank 0 answers HTTP on this thread, so its torch work all goes to one other thread (compute_thread
     # says why); the other ranks have nothing else to do and run it here.
     compute = compute_thread() if rank == 0 else None
-    bundle, loaded, warmed = load_and_warm(bundle_path, rank, world, compute)
+    bundle, loaded, warmed = load_and_warm(bundle_path, rank, world, compute, **(load or {}))
     group = control_group(world)
     if rank > 0:
         follow(bundle, group)

@@ -44,12 +44,14 @@ def warm(bundle: Bundle) -> None:
                 torch.zeros(spec["shape"]) for spec in graph.inputs))
 
 
-def load_and_warm(path, rank: int, world: int, compute: ThreadPoolExecutor | None) -> tuple[Bundle, float, float]:
-    """The bundle loaded and warmed on `compute` (None: on this thread), and the seconds each took."""
+def load_and_warm(path, rank: int, world: int, compute: ThreadPoolExecutor | None,
+                  **load) -> tuple[Bundle, float, float]:
+    """The bundle loaded and warmed on `compute` (None: on this thread), and the seconds each took. `load`:
+    Bundle's device, weights_from and verify_all, as `qic run` passes them."""
     def on_compute(fn, *args, **kwargs):
         return compute.submit(fn, *args, **kwargs).result() if compute else fn(*args, **kwargs)
     t = time.perf_counter()
-    bundle = on_compute(Bundle, path, rank=rank, world=world)
+    bundle = on_compute(Bundle, path, rank=rank, world=world, **load)
     loaded = time.perf_counter() - t
     on_compute(warm, bundle)
     return bundle, loaded, time.perf_counter() - t - loaded

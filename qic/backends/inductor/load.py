@@ -31,8 +31,12 @@ def check_torch() -> None:
 def check(bundle: Path, manifest: dict, device: str) -> None:
     """Refuse, before any compiled code is loaded, a graph compiled for an instruction set or GPU this
     machine lacks (torch itself only warns, after loading, if the process survives the load)."""
+    from qic.backends.inductor import RUN_DEVICES
     from qic.backends.inductor.target import target_mismatch
     from qic.errors import BundleError
+    if device not in RUN_DEVICES:   # else torch's own error, about its device strings, after the checks
+        raise BundleError(f"{bundle}: an inductor bundle runs on device {' or '.join(RUN_DEVICES)}, not {device!r}",
+                          "pass --device cpu or cuda, or leave --device out (the bundle's own)")
     for g in manifest["graphs"]:
         reason = target_mismatch(g.get("target", manifest["backend"].get("target")), device)
         if reason:
