@@ -209,3 +209,23 @@ def test_plan_memos_give_the_computed_plan_and_recompute_what_an_input_changes(t
     assert plan() == first and not calls
     assert plan(cache=tmp_path / "absent") == first and not (tmp_path / "absent").exists()
     assert calls == everything | {"weight_bytes vae_decoder": 2}, calls
+
+
+def test_a_first_build_makes_its_cache_for_the_plan_memos(tiny_ckpt, tmp_path):
+    """A first build into a cache directory that does not exist yet (a checkpoint elsewhere: nothing else makes
+    it before the plan) memoises its plan, so the second build's plan is read, not computed. Stopped at the
+    plan: nothing is compiled."""
+    from qic.builder.pipeline import build
+
+    class Stop(Exception):
+        pass
+
+    def stop(plan):
+        raise Stop
+
+    cache = tmp_path / "cache"
+    spec = parse_spec({"model": str(tiny_ckpt), "cache_dir": str(cache), "output": str(tmp_path / "out"),
+                       "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": [128]})
+    with pytest.raises(Stop):
+        build(spec, on_plan=stop)
+    assert len(list((cache / "plan").glob("traffic-*.json"))) == 1 and len(list((cache / "plan").glob("*"))) > 1
