@@ -208,7 +208,14 @@ def test_plan_memos_give_the_computed_plan_and_recompute_what_an_input_changes(t
     assert plan() == first and calls == everything
     assert plan() == first and not calls
     assert plan(cache=tmp_path / "absent") == first and not (tmp_path / "absent").exists()
-    assert calls == everything | {"weight_bytes vae_decoder": 2}, calls
+    unkept = everything | {"weight_bytes vae_decoder": 2}   # the VAE's second call is no longer a memo hit
+    assert calls == unkept, calls
+    # A cache it cannot write to (read-only): the plan is still computed, not failed.
+    def read_only(*a, **k):
+        raise PermissionError("read-only file system")
+    monkeypatch.setattr(memplan, "write_json_atomic", read_only)
+    monkeypatch.setattr(memplan, "planner_digest", lambda: "edited again")
+    assert plan() == first and calls == unkept, calls
 
 
 def test_a_first_build_makes_its_cache_for_the_plan_memos(tiny_ckpt, tmp_path):

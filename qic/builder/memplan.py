@@ -360,8 +360,9 @@ def _memoised(cache_dir: Path | None, name: str | None, field: str, compute):
             pass
     value = compute()
     if path is not None and Path(cache_dir).is_dir():
-        path.parent.mkdir(exist_ok=True)
-        write_json_atomic(path, {field: value, "planner": planner})
+        with contextlib.suppress(OSError):   # a read-only cache: the figure is computed again next time
+            path.parent.mkdir(exist_ok=True)
+            write_json_atomic(path, {field: value, "planner": planner})
     return value
 
 
