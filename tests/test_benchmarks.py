@@ -2,8 +2,8 @@
 
 A smoke proves that the benchmark runs against the current code and prints its figures; the figures mean
 nothing and nothing is asserted about them. The benchmarks that build the embedded tiny model (run, serve,
-nocfg, realwidth) build into the session's compile cache, so they compile only graphs no other test builds
-(the no-CFG step graph). xla_lowering runs in the lowering environment (.venv-xla); its `tp`, `real`,
+nocfg, realwidth, noop_build) build into the session's compile cache, so they compile only graphs no other test
+builds (the no-CFG step graph). xla_lowering runs in the lowering environment (.venv-xla); its `tp`, `real`,
 `depth-sizes` and `sensitivity` modes run in full in tests/test_neuron_xla.py, its smoke runs `depth`.
 
 The smokes are mostly process starts, imports and single-threaded C++ compiles, so they run two at a time
@@ -27,7 +27,8 @@ import pytest
 from tests.conftest import ROOT, xdist_worker
 
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
-BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache")   # take --dir and --cache-dir
+# These take --dir and --cache-dir.
+BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache", "noop_build")
 # Two lanes on two cores: two smokes at a time, or one beside the other xdist worker (`make test`'s -n 2), so the
 # seconds allowed below hold the same load either way.
 PARALLEL = 1 if xdist_worker() else 2
@@ -41,6 +42,8 @@ SMOKES = {
     "nocfg": (420, [r"\| no-CFG graph \(batch 1\) \| [\d.]+ s \| .*", r"\| CFG graph \(batch 2\) \| [\d.]+ s \| .*"]),
     "run": (420, [r"\| warm: per image \(2 steps, CFG\) \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \|",
                   r"\| achieved / fp32 matmul rate \| .* GFLOP/s \| .*"]),
+    "noop_build": (420, [r"\| (no-op build|qic run cold start|import torch) \| [\d.]+ s \| [\d.]+ s \|"] * 3
+                   + [r"\| no-op build / cold start \| [\d.]+x \| [\d.]+x \|"]),
     "realwidth": (420, [r"\| denoise step \(median\) \| 48x80 \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \|",
                         r"\| pixel diff max / mean \(of 255\) \| 48x80 \| \d+ / [\d.]+ \| \| \|",
                         r"wrote .*/img/realwidth-step-time\.png"]),

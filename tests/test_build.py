@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -76,9 +77,13 @@ def test_second_build_is_a_no_op(bundle, tiny_ckpt, cache_dir, monkeypatch):
     args = ("--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", bundle,
             "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)))
     t = time.perf_counter()
-    proc = qic("build", *args)
+    proc = qic("build", *args, env={"PYTHONPROFILEIMPORTTIME": "1"})   # every import, on stderr
     seconds = time.perf_counter() - t
     assert "(100% hits)" in proc.stdout and "bundle unchanged" in proc.stdout
+    # The plan it printed came from the cache's memos: no fake-tensor run, whose imports (torch._dynamo, and
+    # sympy through meta kernels) alone took seconds.
+    slow = re.findall(r"^import time: .*\| +((?:torch\._dynamo|sympy)\S*)$", proc.stderr, re.M)
+    assert not slow, f"a no-op build imported {slow[:3]}"
     assert set(_rows(proc.stdout).values()) == {"cached"}
     assert {p: p.stat().st_mtime_ns for p in bundle.rglob("*") if p.is_file()} == before
     # Printed, not bounded: a wall-clock bound fails on a loaded machine (4.9 s of 5 was seen here). What
@@ -86,17 +91,21 @@ def test_second_build_is_a_no_op(bundle, tiny_ckpt, cache_dir, monkeypatch):
     print(f"no-op build: {seconds:.2f}s (process start included)")
     import qic.builder.compile as stage2
     import qic.builder.shard as stage1
+    from qic.builder import memplan
     from qic.builder.pipeline import build
     from qic.spec import load_spec
 
     def forbidden(*a, **k):
-        raise AssertionError("a no-op build read a tensor or exported a graph")
+        raise AssertionError("a no-op build read a tensor, exported a graph or ran its plan on fake tensors")
     monkeypatch.setattr(stage1._Reader, "read", forbidden)
     monkeypatch.setattr(stage2.torch.export, "export", forbidden)
+    for fn in ("estimate_graph", "weight_bytes", "step_traffic"):
+        monkeypatch.setattr(memplan, fn, forbidden)
     spec = load_spec(None, {"model": str(tiny_ckpt), "cache_dir": str(cache_dir), "output": str(bundle),
                             "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": list(BUCKETS)})
-    report = build(spec)
-    assert report.hits == len(report.rows) and report.up_to_date
+    plans = []
+    report = build(spec, on_plan=plans.append)
+    assert report.hits == len(report.rows) and report.up_to_date and plans[0].traffic
 
 
 def test_adding_a_resolution_compiles_only_its_graphs(bundle_two_res):

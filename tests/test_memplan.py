@@ -189,3 +189,85 @@ def test_plan_flops_of_the_step_and_its_cache_parts_equal_a_count_of_the_eager_g
         assert plan[name] == count(shape, layers), name
     mid = shapes["denoiser@48x80@L128@mid"]
     assert plan["denoiser@48x80@L128@mid"] > 0 and plan["denoiser@48x80@L128@mid"] != count(mid, layers - 1)
+
+
+def test_plan_memos_give_the_computed_plan_and_recompute_what_an_input_changes(tmp_path, monkeypatch):
+    """A build prints its plan every time; plan_memory keeps each graph's estimate, each component's weight bytes
+    and each resolution's step traffic in the cache (plan/). A second plan computes none of them and equals the
+    first (the memo returns what was computed); each input a figure depends on recomputes exactly that figure
+    (a key missing an input would serve a stale figure: these counts would be zero)."""
+    from collections import Counter
+    from dataclasses import replace
+
+    from qic.builder import jobs, memplan
+    spec = parse_spec({"resolutions": ["48x80"], "text_buckets": [128], "cache_dir": str(tmp_path)})
+    configs, raw = resolve_configs(None, tmp_path)
+    calls = Counter()
+    for fn in ("estimate_graph", "weight_bytes", "step_traffic"):
+        real = getattr(memplan, fn)
+        # counted by function and component (step_traffic's first argument is the configs: by function only)
+        monkeypatch.setattr(memplan, fn, lambda *a, real=real, fn=fn, **k: (
+            calls.update([f"{fn} {a[0]}" if isinstance(a[0], str) else fn]), real(*a, **k))[1])
+
+    def plan(s=spec, c=configs, r=raw, cache=tmp_path):
+        calls.clear()
+        return plan_memory(s, c, r, cache)
+
+    first = plan()
+    # TP 1's weight bytes besides the looped form's (the VAE has no looped form: the same memo twice)
+    everything = {"weight_bytes text_encoder": 2, "weight_bytes denoiser": 2, "weight_bytes vae_decoder": 1,
+                  **{f"estimate_graph {c}": 1 for c in COMPONENTS}, "step_traffic": 1}
+    assert calls == everything, calls
+    assert plan() == first and not calls
+    # The denoiser's dtype: its weights, its graph's estimate and the step's traffic; the others are kept.
+    bf16 = replace(spec, dtype=tuple((c, "bfloat16" if c == "denoiser" else d) for c, d in spec.dtype))
+    assert plan(bf16) != first and calls == {"weight_bytes denoiser": 2, "estimate_graph denoiser": 1,
+                                             "step_traffic": 1}, calls
+    # Another resolution: that resolution's graphs and traffic, no weights.
+    plan(replace(spec, resolutions=((48, 80), (80, 48))))
+    assert calls == {"estimate_graph denoiser": 1, "estimate_graph vae_decoder": 1, "step_traffic": 1}
+    # The denoiser's config: everything that reads it (the traffic reads every config).
+    raw2 = {**raw, "transformer": {**raw["transformer"], "num_layers": raw["transformer"]["num_layers"] + 1}}
+    configs2 = {n: COMPONENTS[n].parse_config(raw2[COMPONENTS[n].folder]) for n in COMPONENTS}
+    plan(c=configs2, r=raw2)
+    assert calls == {"weight_bytes denoiser": 2, "estimate_graph denoiser": 1, "step_traffic": 1}
+    # qic's graph-shaping code, and the planner's own code (or torch): everything.
+    monkeypatch.setattr(jobs, "code_digest", lambda: "edited")
+    monkeypatch.setattr(memplan, "code_digest", lambda: "edited")
+    assert plan() == first and calls == everything
+    monkeypatch.setattr(memplan, "planner_digest", lambda: "edited")
+    assert plan() == first and calls == everything
+    # A damaged memo is recomputed (and rewritten); without a cache directory nothing is kept or written.
+    for p in (tmp_path / "plan").iterdir():
+        p.write_text("{not json")
+    assert plan() == first and calls == everything
+    assert plan() == first and not calls
+    assert plan(cache=tmp_path / "absent") == first and not (tmp_path / "absent").exists()
+    unkept = everything | {"weight_bytes vae_decoder": 2}   # the VAE's second call is no longer a memo hit
+    assert calls == unkept, calls
+    # A cache it cannot write to (read-only): the plan is still computed, not failed.
+    def read_only(*a, **k):
+        raise PermissionError("read-only file system")
+    monkeypatch.setattr(memplan, "write_json_atomic", read_only)
+    monkeypatch.setattr(memplan, "planner_digest", lambda: "edited again")
+    assert plan() == first and calls == unkept, calls
+
+
+def test_a_first_build_makes_its_cache_for_the_plan_memos(tiny_ckpt, tmp_path):
+    """A first build into a cache directory that does not exist yet (a checkpoint elsewhere: nothing else makes
+    it before the plan) memoises its plan, so the second build's plan is read, not computed. Stopped at the
+    plan: nothing is compiled."""
+    from qic.builder.pipeline import build
+
+    class Stop(Exception):
+        pass
+
+    def stop(plan):
+        raise Stop
+
+    cache = tmp_path / "cache"
+    spec = parse_spec({"model": str(tiny_ckpt), "cache_dir": str(cache), "output": str(tmp_path / "out"),
+                       "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": [128]})
+    with pytest.raises(Stop):
+        build(spec, on_plan=stop)
+    assert len(list((cache / "plan").glob("traffic-*.json"))) == 1 and len(list((cache / "plan").glob("*"))) > 1

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
+import os
 import statistics
 import weakref
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from qic.builder.components import COMPONENTS
 from qic.builder.context import looped, tp_of
-from qic.builder.jobs import graph_shapes, make_graph, name_of, plan_jobs
+from qic.builder.jobs import code_digest, graph_shapes, make_graph, name_of, plan_jobs
 from qic.cache import layout
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import QicError
@@ -290,12 +292,18 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
     records = _compile_records(Path(cache_dir) if cache_dir else None)
     plan.compile_source = (f"{sum(map(len, records.values()))} cached graph records" if records
                            else f"no cached records; {DEFAULT_COMPILE_SECONDS:.0f} s per graph assumed")
+    code = code_digest()
+
+    def weights(name, tp, dtype, looped=False):   # building the looped module on meta imports sympy (seconds)
+        return _memoised(cache_dir, memo_name("weights", code, component=name, config=repr(configs[name]), tp=tp,
+                                              dtype=dtype, looped=looped),
+                         "bytes", lambda: weight_bytes(name, configs[name], tp, dtype, looped))
+
     for name in spec.components:
         tp = tp_of(name, spec.tp)
         dtype = COMPONENTS[name].fixed_dtype or spec.dtype_of(name)
-        plan.components.append(ComponentPlan(
-            name, dtype, tp, weight_bytes(name, configs[name], tp, dtype, looped(spec, name)),
-            weight_bytes(name, configs[name], 1, dtype)))
+        plan.components.append(ComponentPlan(name, dtype, tp, weights(name, tp, dtype, looped(spec, name)),
+                                             weights(name, 1, dtype)))
     per_rank = {c.name: c.bytes_per_rank for c in plan.components}
     keys = {j.name: j.spec_key for j in jobs} if jobs is not None else _spec_keys(spec, configs, raw)
     for name, shape in graph_shapes(spec):
@@ -317,29 +325,58 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
     if "denoiser" in spec.components and True in spec.cfg:
         bucket = max(spec.text_buckets) or DROP_TOKENS + MAX_PROMPT_TOKENS
         plan.layout = spec.layout
+        dtype = spec.dtype_of("denoiser")
         for h, w in spec.resolutions:
-            plan.traffic.append(((h, w), bucket, step_traffic(configs, spec.layout, spec.dtype_of("denoiser"),
-                                                              {"resolution": [h, w], "bucket": bucket})))
+            shape = {"resolution": [h, w], "bucket": bucket}
+            # step_traffic reads every config (the step's and the VAE's scale), whole
+            key = memo_name("traffic", code, shape=shape, dtype=dtype, layout=spec.layout.as_dict(),
+                            configs={n: repr(c) for n, c in sorted(configs.items())})
+            plan.traffic.append(((h, w), bucket, _memoised(
+                cache_dir, key, "traffic", lambda shape=shape: step_traffic(configs, spec.layout, dtype, shape))))
     return plan
+
+
+def memo_name(kind: str, code: str, **inputs) -> str:
+    """The plan/ memo name of a figure computed from `inputs` (JSON; a parsed config by its dataclass repr,
+    which names every field) by qic's graph-shaping code of digest `code` (_memoised adds the planner's)."""
+    blob = json.dumps({"inputs": inputs, "code": code}, sort_keys=True)
+    return f"{kind}-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
 def _estimate_cached(cache_dir: Path | None, skey: str | None, compute) -> tuple[int, int, int, int]:
     """A graph's estimate is a function of what its spec key covers (configs, shape, dtype, TP, qic's model
     code), so it is kept in the cache under that key: a no-op build prints its plan without re-running
-    the fake-tensor estimate (seconds, and an import of torch._dynamo). Nothing is written to a cache
-    directory that does not exist yet."""
-    path = layout.plan_file(cache_dir, skey) if cache_dir is not None and skey else None
+    the fake-tensor estimate (seconds, and an import of torch._dynamo)."""
+    return tuple(_memoised(cache_dir, skey, "estimate", lambda: list(compute())))
+
+
+def planner_digest() -> str:
+    """What every memoised figure also depends on besides its key: this planner's code (LiveBytes, the
+    one-layer shortcut) and torch's (fake tensors, FlopCounterMode), so an upgrade or an edit recomputes."""
+    return hashlib.sha256(Path(__file__).read_bytes() + torch.__version__.encode()).hexdigest()[:32]
+
+
+def _memoised(cache_dir: Path | None, name: str | None, field: str, compute):
+    """compute()'s JSON value, kept in the cache as plan/<name>.json (`field`, with the planner digest it was
+    computed under; another digest, or an unreadable file, is a miss). Without a name or a cache it is
+    computed every time; nothing is written to a cache directory that does not exist yet."""
+    path = layout.plan_file(cache_dir, name) if cache_dir is not None and name else None
+    planner = planner_digest()
     if path is not None:
         try:
-            value = tuple(json.loads(path.read_text())["estimate"])
-            if len(value) == 4:   # older records lack the FLOPs: estimated again
+            record = json.loads(path.read_text())
+            if record.get("planner") == planner:
+                value = record[field]
+                with contextlib.suppress(OSError):   # its last use, for `qic cache prune` (a read-only cache: none)
+                    os.utime(path)
                 return value
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     value = compute()
     if path is not None and Path(cache_dir).is_dir():
-        path.parent.mkdir(exist_ok=True)
-        write_json_atomic(path, {"estimate": list(value)})
+        with contextlib.suppress(OSError):   # a read-only cache: the figure is computed again next time
+            path.parent.mkdir(exist_ok=True)
+            write_json_atomic(path, {field: value, "planner": planner})
     return value
 
 

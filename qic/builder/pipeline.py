@@ -57,6 +57,9 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     validate(spec, ctx)
     jobs = plan_jobs(spec, ctx.configs, ctx.raw, backend)
     if on_plan is not None:
+        # The build fills the cache anyway: made now, so that the plan's figures are memoised from the first
+        # build on (memplan writes into no cache directory that does not exist yet)
+        ctx.cache.mkdir(parents=True, exist_ok=True)
         on_plan(plan_memory(spec, ctx.configs, ctx.raw, ctx.cache, jobs))
     report = BuildReport(ctx.output)
     sweep_stale(layout.shards_dir(ctx.cache))

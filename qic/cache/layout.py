@@ -3,6 +3,7 @@
     CACHE/graphs/<graph key>/        compiled graph entries (qic.cache.store)
     CACHE/index/<spec key>           memo: spec key -> graph key (one line of text)
     CACHE/plan/<spec key>.json       a graph's memory estimate (qic.builder.memplan)
+    CACHE/plan/{weights,traffic}-<key>.json   a component's weight bytes, a step's traffic (memplan.memo_name)
     CACHE/shards/<component>-<key>/  per-rank weight shards (qic.builder.shard)
     CACHE/neffs/<key>/               NEFFs (the neuron back end's finish step), each locked by its own
                                      .model.neff.lock inside it
