@@ -122,8 +122,9 @@ def layout_check(tp: int, ulysses: int, cfg: int) -> dict:
     """The step graph under a mesh layout (qic/parallel/mesh.py) at 48x80 (15 image tokens) and text bucket 129
     (95 tokens): both odd, so Ulysses pads. Unrolled blocks (no While, so the HLO's collectives are all in
     the entry and body computations once each). Lowered, executed on world XLA:CPU devices, each rank with its
-    TP shard and its mesh coordinates as inputs, compared with the TP=1 eager step; the collectives' replica
-    groups and the bytes they move, as counted in the HLO."""
+    TP shard and its mesh coordinates as inputs, compared with the TP=1 eager step by its prediction
+    (prediction_error), and again with every rank fed rank 0's coordinates (wrong_coords: must be far off); the
+    collectives' replica groups and the bytes they move, as counted in the HLO."""
     from qic.builder.binding import fake_world
     from qic.builder.graphs import rank_inputs
     from qic.parallel.tp import shard_state_dict
