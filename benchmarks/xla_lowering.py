@@ -122,8 +122,9 @@ def layout_check(tp: int, ulysses: int, cfg: int) -> dict:
     """The step graph under a mesh layout (qic/parallel/mesh.py) at 48x80 (15 image tokens) and text bucket 129
     (95 tokens): both odd, so Ulysses pads. Unrolled blocks (no While, so the HLO's collectives are all in
     the entry and body computations once each). Lowered, executed on world XLA:CPU devices, each rank with its
-    TP shard and its mesh coordinates as inputs, compared with the TP=1 eager step; the collectives' replica
-    groups and the bytes they move, as counted in the HLO."""
+    TP shard and its mesh coordinates as inputs, compared with the TP=1 eager step by its prediction
+    (prediction_error), and again with every rank fed rank 0's coordinates (wrong_coords: must be far off); the
+    collectives' replica groups and the bytes they move, as counted in the HLO."""
     from qic.builder.binding import fake_world
     from qic.builder.graphs import rank_inputs
     from qic.parallel.tp import shard_state_dict
@@ -133,7 +134,7 @@ def layout_check(tp: int, ulysses: int, cfg: int) -> dict:
     comp, cfg_ = COMPONENTS["denoiser"], cfgs["denoiser"]
     full = _random(comp.make_module(cfg_, tp_size=1, looped=False))
     g1 = _graph("denoiser", full, cfgs, bucket=129)
-    inputs = _inputs(g1)
+    inputs = euler_whole(_inputs(g1))
     with torch.no_grad():
         want = g1.module(*[t for _, t in inputs])
     mod = comp.make_module(cfg_, tp_size=tp, looped=False)
@@ -142,15 +143,22 @@ def layout_check(tp: int, ulysses: int, cfg: int) -> dict:
     names.update(g.module.named_buffers())
     low = xl.lower(g.module, g.inputs, names, groups=g.groups)
     owned = dict(g1.module.named_buffers())
-    per_rank = []
-    for r in range(layout.world):
-        c = layout.coords(r)
-        shard = shard_state_dict("denoiser", full.state_dict(), c["tp"], tp)
-        feed = inputs + [(n, torch.tensor([c[RANK_AXES[n]]])) for n in rank_inputs(g.module.step)]
-        per_rank.append(low.values(feed, {**owned, **{g.weight_prefix + k: v for k, v in shard.items()}}))
-    outs = xl.execute_ranks(low.proto, per_rank)
+
+    def feeds(coords):   # every rank's input values, its mesh coordinates from coords(rank)
+        out = []
+        for r in range(layout.world):
+            c = coords(r)
+            shard = shard_state_dict("denoiser", full.state_dict(), c["tp"], tp)
+            feed = inputs + [(n, torch.tensor([c[RANK_AXES[n]]])) for n in rank_inputs(g.module.step)]
+            out.append(low.values(feed, {**owned, **{g.weight_prefix + k: v for k, v in shard.items()}}))
+        return out
+    outs = xl.execute_ranks(low.proto, feeds(layout.coords))
+    # The check can fail: every rank fed rank 0's sequence and CFG coordinates (its own TP shard) computes rank
+    # 0's chunk and branch, so each all-gather / all-to-all collects one rank's piece where the others' belong.
+    wrong = xl.execute_ranks(low.proto, feeds(lambda r: layout.coords(r) | {"sp": 0, "cfg": 0}))
     ops = hlo_proto.opcodes(low.proto)
     w = want.flatten().double()
+    latents = dict(inputs)["latents"]
     return {
         "layout": layout.as_dict(), "ops": {op: ops[op] for op in COLLECTIVE_OPS},
         "replica_groups": {op: sorted({json.dumps(x) for x in hlo_proto.replica_groups(low.proto, op)})
@@ -159,18 +167,52 @@ def layout_check(tp: int, ulysses: int, cfg: int) -> dict:
         "collective_bytes": hlo_proto.collective_bytes(low.proto, COLLECTIVE_OPS),
         "host_transfers": sum(ops[o] for o in HOST_TRANSFER_OPS),
         "cos": [torch.nn.functional.cosine_similarity(o[0].flatten().double(), w, 0).item() for o in outs],
-        "max_abs": [(o[0].flatten().double() - w).abs().max().item() for o in outs],
+        "prediction": [prediction_error(latents, o[0], want) for o in outs],
+        "wrong_coords": [prediction_error(latents, o[0], want) for o in wrong],
     }
+
+
+def euler_whole(inputs: list) -> list:
+    """The step's inputs with sigma 1 -> 0, so next latents = latents - v: the guided prediction v is as large in
+    the output as the input it is added to (at the example 0.5 -> 0.4 it is a tenth of it, and a comparison of
+    next latents mostly compares the latents input with itself)."""
+    whole = {"sigma": torch.tensor(1.0), "sigma_next": torch.tensor(0.0)}
+    return [(n, whole.get(n, t)) for n, t in inputs]
+
+
+def errors(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """rel-L2 and max-abs of got against want (fp64), with want's largest magnitude (max-abs's scale)."""
+    got, want = got.double(), want.double()
+    return {"rel_l2": ((got - want).norm() / want.norm()).item(), "max_abs": (got - want).abs().max().item(),
+            "scale": want.abs().max().item()}
+
+
+def prediction_error(latents: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> dict:
+    """errors() of the prediction v = latents - next latents (sigma 1 -> 0: euler_whole), in fp64 from the fp32
+    outputs; `rounding`: the part of rel-L2 that the two fp32 roundings of next latents may add, 2u |next| / |v|
+    (the outputs round to fp32 before v is recovered; the graphs' v itself is never rounded alone)."""
+    out = errors(latents.double() - got.double(), latents.double() - want.double())
+    u = torch.finfo(torch.float32).eps / 2
+    return out | {"rounding": 2 * u * want.double().norm().item() / (latents.double() - want.double()).norm().item()}
 
 
 RANK_AXES = {"cfg_rank": "cfg", "sp_rank": "sp"}
 PARTS = (("head", None), ("mid", None), ("mid", 1), ("tail", None))
 
 
+# What each part's check compares: the outputs that are not mostly an input passed through. The middle's img and
+# txt are its inputs plus their residuals, so its residuals are compared; the tail's next latents are the latents
+# input plus the update, so its prediction is (sigma 1 -> 0: euler_whole); the head's outputs are all computed.
+CHECKED = {"head": ("img", "txt", "temb", "residual", "diff"), "mid": ("img_residual", "txt_residual"),
+           "tail": ("prediction",)}
+
+
 def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
     """Step caching's split graphs (head, mid, mid over one row, tail) of a 4-block denoiser at TP=tp:
-    lowered, executed on tp XLA:CPU devices with each rank's shard, every output compared with the TP=1
-    eager part on the same weights; plus a host transfer count (a decision read inside a graph would be one)."""
+    lowered, executed on tp XLA:CPU devices with each rank's shard, every CHECKED output compared with the TP=1
+    eager part on the same weights; plus a host transfer count (a decision read inside a graph would be one).
+    Two broken runs show the comparison can fail: the text mask dropped (every key attended), and at tp > 1
+    rank 0 holding rank 1's shard (its all-reduces sum one shard twice)."""
     from qic.builder.binding import fake_world
     from qic.builder.graphs import step_part_graph
     from qic.parallel.tp import apply_tp, shard_state_dict
@@ -186,7 +228,7 @@ def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
             return step_part_graph(m, cfg, cfgs["vae_decoder"].scale_factor, 48, 80, 128, "float32", part, first,
                                    last, rows=rows)
         g1, g = make(full), make(mod)
-        inputs = _inputs(g1)
+        inputs = euler_whole(_inputs(g1))
         with torch.no_grad():
             want = g1.module(*[t for _, t in inputs])
         want = list(want) if isinstance(want, tuple) else [want]
@@ -194,13 +236,23 @@ def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
         names.update(g.module.named_buffers())
         low = xl.lower(g.module, g.inputs, names, tp=tp)
         owned = dict(g1.module.named_buffers())
-        per_rank = []
-        for r in range(tp):
-            shard = stack_block_weights(shard_state_dict("denoiser", full.state_dict(), r, tp), "transformer_blocks",
-                                        cfg.num_layers)
-            per_rank.append(low.values(inputs, {**owned, **{g.weight_prefix + k: v for k, v in shard.items()}}))
-        outs = xl.execute_ranks(low.proto, per_rank)
+        shards = [{**owned, **{g.weight_prefix + k: v for k, v in stack_block_weights(
+            shard_state_dict("denoiser", full.state_dict(), r, tp), "transformer_blocks", cfg.num_layers).items()}}
+            for r in range(tp)]
+        outs = xl.execute_ranks(low.proto, [low.values(inputs, shards[r]) for r in range(tp)])
+        unmasked = [(n, torch.ones_like(t) if n == "text_mask" else t) for n, t in inputs]
+        broken = {"mask_dropped": xl.execute_ranks(low.proto, [low.values(unmasked, w) for w in shards])}
+        if tp > 1:
+            wrong = shards[1:2] + shards[1:]            # rank 0 with rank 1's shard
+            broken["wrong_shard"] = xl.execute_ranks(low.proto, [low.values(inputs, w) for w in wrong])
         ops = hlo_proto.opcodes(low.proto)
+        feed = dict(inputs)
+
+        def checked(rank_out):   # {output name: errors()} of the CHECKED outputs of one rank
+            got, ref = dict(zip(g.outputs, rank_out)), dict(zip(g.outputs, want))
+            if part == "tail":
+                return {"prediction": prediction_error(feed["latents"], got["latents"], ref["latents"])}
+            return {n: errors(got[n], ref[n]) for n in CHECKED[part]}
 
         def cos(a, b):
             return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
@@ -209,10 +261,10 @@ def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
             "host_transfers": sum(ops[o] for o in HOST_TRANSFER_OPS),
             "replica_groups": sorted({json.dumps(x) for op in ("all-reduce", "all-gather")
                                       for x in hlo_proto.replica_groups(low.proto, op)}),
-            # per rank, the worst output's cosine and rel-L2 against TP=1 eager
+            # per rank, the worst output's cosine against TP=1 eager (every output, pass-through ones included)
             "cos": [min(cos(o, w) for o, w in zip(rank_out, want)) for rank_out in outs],
-            "rel_l2": [max(((o.double() - w.double()).norm() / w.double().norm()).item()
-                           for o, w in zip(rank_out, want)) for rank_out in outs],
+            "checked": [checked(rank_out) for rank_out in outs],
+            **{name: [checked(rank_out) for rank_out in o] for name, o in broken.items()},
         }
     return out
 

@@ -1,8 +1,10 @@
 """The bad-input sweep (issue 19): generated build configs, `qic run` options and prompts-file lines, and HTTP
 request bodies, of wrong types, huge and empty values, unknown keys, non-UTF-8 bytes, NaN/inf, negative and
-huge integers. Each is either accepted (and then checked the way the verb would go on to use it) or
+huge integers; the run flags, prompt lines and request bodies draw step caching's settings too (--cache-*,
+cache_*). Each is either accepted (and then checked the way the verb would go on to use it) or
 refused with one line (ConfigError / exit 2 / a 4xx); never a traceback, never a 5xx, and no cache or
-bundle file changes. Counts are printed (run with -s to see them).
+bundle file changes. Each sweep must have accepted some examples (a sweep that refuses everything checks only
+the refusals). Counts are printed (run with -s to see them).
 
 Examples are derandomized so CI sees the same ones every run; the sizes keep the module under ~2 minutes
 on two cores.
@@ -51,7 +53,8 @@ def _files(*roots) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def report_counts(bundle, cache_dir):
-    """Prints the counts, and checks that the sweep left the session's bundle and cache as they were."""
+    """Prints the counts, checks that each sweep that ran accepted some examples, and that the sweeps left the
+    session's bundle and cache as they were."""
     before = _files(bundle, cache_dir)
     yield
     after = _files(bundle, cache_dir)
@@ -71,6 +74,17 @@ def report_counts(bundle, cache_dir):
     for kind, c in sorted(COUNTS.items()):
         print(f"\nbad-input sweep, {kind}: {sum(c.values())} examples, " + ", ".join(f"{k} {v}" for k, v in
                                                                                       sorted(c.items())))
+    none_accepted = [kind for kind, c in COUNTS.items() if not c[ACCEPTED[kind]]]
+    assert not none_accepted, f"sweeps that accepted no example: {none_accepted} ({COUNTS})"
+
+
+# The outcome that counts as accepted, per sweep: an example the verb went on to use.
+ACCEPTED = {"build configs": "accepted and valid", "run options": "accepted", "HTTP bodies": "200"}
+
+# Step caching's settings (qic.host.cache_policy): numbers at and around their limits, step masks good and bad.
+_CACHE_VALUES = st.one_of(_VALUES, st.integers(-2, 6), st.floats(-1, 3), st.sampled_from(
+    ["0-3,5", "0", "3-1", "a-b", "0-100001", ",", [0, 1, 2], [-1], [True], "1e3", "0.5"]))
+_CACHE_KEYS = ("cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous", "cache_steps")
 
 
 # ---- build configs -----------------------------------------------------------------------------------
@@ -147,8 +161,9 @@ def loaded(bundle):
 
 
 _RUN_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output",
-             "unknown", "tp")
-_LINE_VALUES = st.one_of(_VALUES, st.integers(-3, 30), st.sampled_from(list(TINY_RES) + ["16:9", "5:3", "0:1"]))
+             "unknown", "tp", *_CACHE_KEYS)
+_LINE_VALUES = st.one_of(_VALUES, st.integers(-3, 30), st.sampled_from(list(TINY_RES) + ["16:9", "5:3", "0:1"]),
+                         _CACHE_VALUES)
 
 
 @st.composite
@@ -162,9 +177,11 @@ def _prompt_lines(draw):
 
 
 _FLAGS = st.lists(st.tuples(st.sampled_from(["--steps", "--guidance", "--seed", "--height", "--width", "--aspect",
-                                             "--negative-prompt", "--tp", "--device", "--unknown"]),
+                                             "--negative-prompt", "--tp", "--device", "--unknown",
+                                             *("--" + k.replace("_", "-") for k in _CACHE_KEYS)]),
                             st.one_of(st.integers(-3, 2**64).map(str), _EDGE_STRS, st.text(max_size=10),
-                                      st.sampled_from(["nan", "inf", "-inf", "1e309", "4", "0.5", "48", "80"]))),
+                                      st.sampled_from(["nan", "inf", "-inf", "1e309", "4", "0.5", "48", "80", "0-3,5",
+                                                       "3-1", "a-b", "-2"]))),
                   max_size=4)
 
 
@@ -234,7 +251,7 @@ def http_server(loaded):
 
 
 _HTTP_KEYS = ("prompt", "n", "size", "response_format", "model", "user", "seed", "steps", "guidance",
-              "negative_prompt", "extra", "quality")
+              "negative_prompt", "extra", "quality", *_CACHE_KEYS)
 
 
 @st.composite
@@ -244,7 +261,8 @@ def _http_bodies(draw):
         return draw(st.binary(max_size=60))
     if kind == "json":
         return json.dumps(draw(_VALUES), allow_nan=True).encode()
-    obj = {k: draw(st.one_of(_VALUES, st.integers(-2, 6), st.sampled_from(["{1}x{0}".format(*TINY_RES), "auto"])))
+    obj = {k: draw(_CACHE_VALUES if k in _CACHE_KEYS else st.one_of(
+        _VALUES, st.integers(-2, 6), st.sampled_from(["{1}x{0}".format(*TINY_RES), "auto"])))
            for k in draw(st.lists(st.sampled_from(_HTTP_KEYS), max_size=6, unique=True))}
     if draw(st.booleans()):
         obj["prompt"] = draw(st.text(max_size=40) | _EDGE_STRS)

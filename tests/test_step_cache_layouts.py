@@ -23,10 +23,10 @@ import pytest
 from qic.parallel.mesh import Layout
 from qic.parallel.tp import spawn
 from tests.conftest import TINY_RES, image_diff, pixels
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 
 PROMPT, STEPS, SEED, BUCKET, THRESHOLD = "a small red cube", 10, 5, 129, 1.25
 LAYOUTS = [Layout(1, 1, 2), Layout(1, 2, 1), Layout(2, 1, 2), Layout(2, 2, 1), Layout(1, 2, 2)]
-MAX_PIXEL, MEAN_PIXEL = 2, 0.02      # in 0..255 pixel units: 2/255, and a mean of 0.02 of a level
 
 
 def _images(rank: int, world: int, root: str, layout: Layout, guidance: float, seeds: tuple, broken: str | None,

@@ -13,8 +13,9 @@ from qic.builder.eager import EagerModel
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from tests.conftest import BUCKETS, TINY_RES, image_diff, qic
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 
-BOUND_MAX, BOUND_MEAN = 2.0, 0.02   # fp32 end to end: only rounding at the 0..255 quantisation differs
+BOUND_MAX, BOUND_MEAN = MAX_PIXEL, MEAN_PIXEL   # fp32 end to end: only rounding at the 0..255 quantisation differs
 LIGHTNING = {"use_dynamic_shifting": True, "base_shift": 1.0986122886681098, "max_shift": 1.0986122886681098,
              "shift_terminal": None, "time_shift_type": "exponential"}
 PROMPT = "a red bicycle"

@@ -14,6 +14,8 @@ from qic.builder.components import COMPONENTS
 from qic.builder.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
 from qic.checkpoint.reader import Checkpoint
 from qic.dtypes import TORCH_DTYPES
+from qic.errors import BundleError
+from qic.graph_names import graph_name
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.models.common import load_weights
 from qic.parallel.mesh import RANK_INPUTS, Layout, join
@@ -41,10 +43,16 @@ class _Eager:
 
 class EagerModel:
     def __init__(self, root: str | Path, resolutions, buckets, dtype: str = "float32",
-                 step_cache: tuple[int, int] | None = None, layout: Layout | None = None, rank: int = 0):
+                 step_cache: tuple[int, int] | None = None, layout: Layout | None = None, rank: int = 0,
+                 cfg: tuple[bool, ...] = (True, False), batch_sizes: tuple[int, ...] | None = None):
         """layout, rank: run the denoiser as rank `rank` of a parallel layout (qic/parallel/mesh.py; the
         process group joined by the caller's spawner): its TP shard, the mesh's hooks and rank inputs. The
-        text encoder and VAE stay whole (replicated)."""
+        text encoder and VAE stay whole (replicated).
+        cfg, batch_sizes: the graphs this stand-in holds, as a bundle built with those keys would (the step
+        graphs of each CFG mode; every graph at each batch size; None: any size), so the runtime takes the
+        paths it takes on such a bundle. The defaults hold every graph, made on demand; the split graphs of
+        step caching only with step_cache."""
+        self.cfg_modes, self.batch_sizes = tuple(cfg), batch_sizes   # before `cfg` names a component's config
         self.ckpt = Checkpoint(Path(root))
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
         self.resolutions = [tuple(r) for r in resolutions]
@@ -80,9 +88,15 @@ class EagerModel:
         check_resolution(height, width, self.latents["vae_scale_factor"])
 
     def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None):
-        return True  # eager modules make every graph on demand
+        return ((component != "denoiser" or cfg in self.cfg_modes)
+                and (self.batch_sizes is None or batch in self.batch_sizes)
+                and (part is None or self.step_cache is not None))
 
     def graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None, rows=None):
+        if not self.has_graph(component, resolution, bucket, cfg, batch, part):   # as a bundle refuses it
+            name = graph_name(component, resolution, bucket, cfg, batch, part, rows)
+            raise BundleError(f"eager model: no graph {name} (it holds cfg {list(self.cfg_modes)}, batch sizes "
+                              f"{list(self.batch_sizes or []) or 'any'}, step_cache {self.step_cache})")
         key = (component, resolution, bucket, cfg, batch, part, rows)
         if key not in self._graphs:
             m = self.modules[component]
