@@ -677,6 +677,43 @@ def test_tp2_bundle_runs_and_matches_tp1(bundle, bundle_tp2, tmp_path):
     assert p.returncode == 2 and "built for tp=1" in p.stderr
 
 
+def _rank_after_compiler_import(rank: int, tp: int, bundle: str, calls: int) -> dict:
+    """`calls` calls of each graph with collectives of a TP bundle, in a rank that has imported
+    torch.distributed._functional_collectives, as any process that imported torch._inductor (to compile) or
+    torch._dynamo has: that module registers Python autograd kernels for the functional collectives."""
+    import importlib
+    importlib.import_module("torch.distributed._functional_collectives")
+    # The premise: without a Python kernel on the collective's autograd key this test would check nothing.
+    assert "Autograd[alias]: registered at" in torch._C._dispatch_dump("_c10d_functional::all_gather_into_tensor")
+    from qic.runtime.bundle import Bundle
+    b = Bundle(bundle, rank=rank, world=tp)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for (component, name), g in b.graphs.items():
+        if component == "vae_decoder":   # replicated: no collective
+            continue
+        args = [torch.ones(s["shape"], dtype=torch.int64) if s["dtype"] == "int64"   # token ids, a full mask
+                else torch.rand(s["shape"], generator=gen) for s in g.inputs if s["name"] not in g.fixed]
+        for _ in range(calls):
+            out[name] = g(*args)[0]
+    return out
+
+
+def test_tp2_package_runs_in_a_process_that_imported_the_compiler(bundle_tp2):
+    """A TP package run where torch's functional-collective autograd kernels are registered (a process that
+    compiled, as benchmarks/layouts.py's first version did on rank 0). Their Python wrappers give the
+    collectives' tensors Python objects; a gloo worker then needs the GIL to release them while it holds its work
+    queue's lock, and the package's run holds the GIL up to its next collective: a deadlock, the peer failing in
+    wait_tensor. qic.backends.inductor.load runs packages in inference mode, where those kernels are not entered.
+    Without that, this failed in each of 3 tries (a hang, then the process group's timeout)."""
+    import datetime
+    outs = T.spawn(_rank_after_compiler_import, 2, str(bundle_tp2), 40, timeout=120,
+                   pg_timeout=datetime.timedelta(seconds=30))
+    assert outs[0].keys() == outs[1].keys() and len(outs[0]) == 2
+    for name, out in outs[0].items():   # TP outputs are replicated: both ranks hold the same tensor
+        assert torch.isfinite(out).all() and torch.equal(out, outs[1][name]), name
+
+
 def test_tp4_final_image_equals_tp1(odd_vocab_ckpt, workdir, cache_dir, tmp_path):
     """A config whose heads divide by 4 and whose text vocabulary (1025: an added token) does not, so the
     embedding is padded: TP=4 bundle image vs the TP=1 image (eager reference)."""

@@ -56,7 +56,14 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
     bound = [w if w.device.type == device else w.to(device) for w in weights]
 
     def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return loader.run(list(inputs) + bound)
+        # Inference mode keeps the package's collectives in C++. Its run holds the GIL throughout, and a gloo
+        # worker thread releases a finished collective's tensors while holding the work queue's lock; a tensor
+        # Python has seen needs the GIL for that. Without the autograd keys, the Python autograd kernels that
+        # torch.distributed._functional_collectives registers (imported with torch._inductor or torch._dynamo)
+        # are never entered, so they never wrap the collectives' tensors; with them, the run deadlocks at its next
+        # collective, and its peer fails in wait_tensor (docs/parallelism.md, "Why compile on a fake group").
+        with torch.inference_mode():
+            return loader.run(list(inputs) + bound)
 
     run.loader = loader
     return run
