@@ -51,14 +51,15 @@ def diffusers_pipe(root):
     return pipe
 
 
-def pipe_call(pipe, prompt, steps, height, width, seed=SEED):
-    return pipe(prompt, negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=steps, height=height,
+def pipe_call(pipe, prompt, steps, height, width, seed=SEED, guidance=GUIDANCE):
+    return pipe(prompt, negative_prompt=" ", true_cfg_scale=guidance, num_inference_steps=steps, height=height,
                 width=width, generator=torch.Generator("cpu").manual_seed(seed)).images[0]
 
 
-def fbc_reference(pipe, threshold, prompt, steps, height, width, seed=SEED):
+def fbc_reference(pipe, threshold, prompt, steps, height, width, seed=SEED, guidance=GUIDANCE):
     """diffusers' FirstBlockCache: (image, {"cond": computed steps, "uncond": ...}), read from the head block
-    hook's per-context state after each transformer call (the pipeline calls cond, then uncond)."""
+    hook's per-context state after each transformer call (the pipeline calls cond, then uncond; at guidance
+    <= 1 cond only, and "uncond" stays empty)."""
     from diffusers.hooks import FirstBlockCacheConfig
     from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
     tr = pipe.transformer
@@ -74,7 +75,7 @@ def fbc_reference(pipe, threshold, prompt, steps, height, width, seed=SEED):
 
     handle = tr.register_forward_hook(after)
     try:
-        image = pipe_call(pipe, prompt, steps, height, width, seed)
+        image = pipe_call(pipe, prompt, steps, height, width, seed, guidance)
     finally:
         handle.remove()
         tr.disable_cache()
@@ -176,7 +177,13 @@ def bench_model(model: str, args, work: Path) -> list[dict]:
                                      steps_computation_policy="static")
         r, q_s = qic_image(steps, cache_steps=",".join(map(str, mask)))
         rows.append(side_by_side(model, steps, f"mask {len(mask)}/{steps}", r, q_s, img, computed, d_s, base, ref))
-    return rows
+    depth = json.loads((ckpt / "transformer" / "config.json").read_text())["num_layers"]
+    return [r | {"depth": depth} for r in rows]
+
+
+def row_key(r: dict) -> tuple:
+    """A row's place: a run at another depth (--realwidth-depth) or step count adds rows, never replaces these."""
+    return r["model"], r["depth"], r["steps"]
 
 
 def side_by_side(model, steps, setting, result, qic_s, image, computed, diffusers_s, base, ref) -> dict:
@@ -196,11 +203,13 @@ def _db(x: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | steps | setting | qic s/image | diffusers s/image | qic / diffusers | steps computed qic "
-           "(cond, uncond) | diffusers | same steps | PSNR qic (dB) | PSNR diffusers (dB) | qic vs diffusers (dB) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | blocks | steps | setting | qic s/image | diffusers s/image | qic / diffusers | "
+           "steps computed qic (cond, uncond) | diffusers | same steps | PSNR qic (dB) | PSNR diffusers (dB) | "
+           "qic vs diffusers (dB) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['steps']} | {r['setting']} | {r['qic_s']:.2f} | {r['diffusers_s']:.2f} | "
+        out.append(f"| {r['model']} | {r['depth']} | {r['steps']} | {r['setting']} | {r['qic_s']:.2f} | "
+                   f"{r['diffusers_s']:.2f} | "
                    f"{r['qic_s'] / r['diffusers_s']:.2f}x | {r['qic_computed'][0]}, {r['qic_computed'][1]} | "
                    f"{r['diffusers_computed'][0]}, {r['diffusers_computed'][1]} | {r.get('same_steps', '-')} | "
                    f"{_db(r['qic_psnr'])} | {_db(r['diffusers_psnr'])} | {_db(r['qic_vs_diffusers_psnr'])} |")
@@ -211,10 +220,10 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = sorted({(r["model"], r["steps"]) for r in rows})
+    panels = sorted({row_key(r) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (model, steps) in zip(axes[0], panels):
-        sel = [r for r in rows if (r["model"], r["steps"]) == (model, steps)]
+    for ax, (model, depth, steps) in zip(axes[0], panels):
+        sel = [r for r in rows if row_key(r) == (model, depth, steps)]
         cap = max([r[k] for r in sel for k in ("qic_psnr", "diffusers_psnr") if not math.isinf(r[k])] + [30]) + 5
         for side, marker in (("qic", "o"), ("diffusers", "s")):
             xs = [r[f"{side}_s"] for r in sel]
@@ -222,7 +231,7 @@ def plot(rows: list[dict], path: Path) -> Path:
             ax.scatter(xs, ys, marker=marker, label=side)
             for r, x, y in zip(sel, xs, ys):
                 ax.annotate(r["setting"].replace("threshold ", "t="), (x, y), fontsize=6)
-        ax.set_title(f"{model}, {steps} steps", fontsize=9)
+        ax.set_title(f"{model} ({depth} blocks), {steps} steps", fontsize=9)
         ax.set_xlabel("seconds per image")
         ax.set_ylabel(f"PSNR vs uncached (dB; uncached drawn at {cap:.0f})")
         ax.legend(fontsize=7)
@@ -254,9 +263,9 @@ def main(argv: list[str] | None = None) -> None:
         args.steps = [int(s) for s in args.steps.split(",")]
         work.mkdir(parents=True, exist_ok=True)
         new = [r for m in args.models.split(",") for r in bench_model(m, args, work)]
-        fresh = {(r["model"], r["steps"]) for r in new}
-        rows = [r for r in rows if (r["model"], r["steps"]) not in fresh] + new
-        rows.sort(key=lambda r: (r["model"] != "shapes", r["model"], r["steps"]))   # stable: settings keep order
+        fresh = {row_key(r) for r in new}
+        rows = [r for r in rows if row_key(r) not in fresh] + new
+        rows.sort(key=lambda r: (r["model"] != "shapes", *row_key(r)))   # stable: settings keep order
         write_bytes_atomic(results, json.dumps(rows, indent=1).encode())
     print(table(rows))
     print(f"wrote {plot(rows, img)}")

@@ -74,6 +74,7 @@ class _Slowed:
 def one_device(tiny_ckpt):
     """TP 1's results, eager: guidance 4 (true CFG) for seed SEED, guidance 1 (no CFG) for seeds SEED and SEED+1."""
     out = {4.0: _images(0, 1, str(tiny_ckpt), Layout(), 4.0, (SEED,), None)[0][0]}
+    out["4.0 second"] = _images(0, 1, str(tiny_ckpt), Layout(), 4.0, (SEED + 1,), None)[0][0]
     out[1.0] = [_images(0, 1, str(tiny_ckpt), Layout(), 1.0, (s,), None)[0][0] for s in (SEED, SEED + 1)]
     image, computed, figures = out[4.0]
     print("one device: computed", computed, "figures", [[f and round(f, 4) for f in row] for row in figures])
@@ -134,6 +135,18 @@ def test_cfg_parallel_without_cfg_shares_a_batch_between_groups(layout, tiny_ckp
             assert got_computed == want_computed
             _close(got, want)
     assert image_diff(ranks[0][0][0][0], ranks[0][0][1][0])[0] > 10 * MAX_PIXEL   # two images, not one twice
+
+
+def test_a_cfg_batch_of_two_under_cfg_parallel_decides_per_image(tiny_ckpt, one_device):
+    """True CFG, a batch of two on CFG-parallel 2: each group holds both images' rows of its branch, and each
+    image's decisions and pixels are the ones it gets alone on one device."""
+    ranks = spawn(_images, 2, str(tiny_ckpt), Layout(1, 1, 2), 4.0, (SEED, SEED + 1), None)
+    alone = (one_device[4.0], one_device["4.0 second"])
+    for results, _ in ranks:
+        for (got, got_computed, _), (want, want_computed, _) in zip(results, alone):
+            assert got_computed == want_computed
+            _close(got, want)
+    assert one_device[4.0][1] != one_device["4.0 second"][1], "both images decide alike: the check sees no mix-up"
 
 
 def test_an_idle_cfg_group_outwaits_the_collective_timeout(tiny_ckpt, one_device):
