@@ -256,7 +256,9 @@ def _wide(tensors: dict) -> dict:
 
 
 def _worst(measure, got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> float:
-    return max(measure(g, w) for got_r, want_r in zip(got, want) for g, w in zip(got_r, want_r))
+    """The largest figure over ranks and outputs; NaN if any is (Python's max would skip a NaN that is not first)."""
+    values = [measure(g, w) for got_r, want_r in zip(got, want) for g, w in zip(got_r, want_r)]
+    return float("nan") if any(v != v for v in values) else max(values)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
