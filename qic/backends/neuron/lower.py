@@ -38,7 +38,6 @@ import torch
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("XLA_ALWAYS_ALLREDUCE", "1")
 os.environ.setdefault("DISABLE_NUMERIC_CC_TOKEN", "1")
-os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")   # why: qic.backends.neuron.xla_runtime
 
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_builder as xb  # noqa: E402

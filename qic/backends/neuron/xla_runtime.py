@@ -24,10 +24,6 @@ from pathlib import Path
 import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-# torch-xla bakes a 0-dim input equal to 0 or 1 into the graph as a constant (a "special scalar"): the step
-# graph at sigma 1.0 and at 0.75 would be two programs, compiled on every call whose scalars change, and
-# at several ranks each device's thread would compile its own copy, whose collectives never meet.
-os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
 
 
 def reserve_devices(n: int) -> None:
@@ -133,8 +129,9 @@ _EXECUTED: set[str] = set()
 
 def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A 0-dim input moves as a 1-element tensor viewed back to 0-dim: moved as is, torch-xla's graph hash
-    of the step graph changed with the timestep's value (torch-xla 2.9), so a call at a new step compiled
-    anew, and at several ranks each device's thread compiled its own copy."""
+    of the step graph changed with the scalars' values (torch-xla 2.9: sigma 1.0 is a "special scalar", baked
+    in as a constant, and the timestep's value changed the hash too), so a call at a new step compiled anew,
+    and at several ranks each device's thread compiled its own copy, whose collectives never met."""
     if t.dim() == 0 and t.device.type == "cpu":
         return t.reshape(1).to(device).reshape(())
     return t.to(device)
