@@ -2,13 +2,14 @@
 
     python -m benchmarks.xla_lowering tp N        # TP=N HLO: replica groups, host transfers, N-device run vs TP=1
     python -m benchmarks.xla_lowering step-cache N  # step caching's split graphs at TP=N, the same checks
+    python -m benchmarks.xla_lowering sensitivity-ranks N  # the build's N-rank check, right and broken twice
     python -m benchmarks.xla_lowering depth       # looped (While) vs a host loop over one block vs unrolled
     python -m benchmarks.xla_lowering depth-sizes # only the HLO sizes and lowering times (seconds to run)
     python -m benchmarks.xla_lowering real HxW    # the real Qwen-Image configs lowered from shapes alone
     python -m benchmarks.xla_lowering --smoke     # `depth` at 1 and 2 blocks, one timed step each
 
 Each prints one JSON object (tests/test_neuron_xla.py asserts on it; docs/benchmarks.md keeps the figures).
-`tp N` must start with CPU_NUM_DEVICES=N in the environment (torch-xla reads it once).
+`tp N` (and the other N-rank commands) must start with CPU_NUM_DEVICES=N in the environment (torch-xla reads it once).
 """
 
 from __future__ import annotations
@@ -430,6 +431,46 @@ def sensitivity() -> dict:
     return {"right": right, "mask_dropped": rel(got_mask), "block_zeroed": rel(got_w)}
 
 
+def sensitivity_ranks(tp: int = 2) -> dict:
+    """The build's multi-rank check (NeuronBackend.check at tp ranks on tp XLA:CPU devices) can fail: the TP
+    text encoder and denoise step as built, lowered with each rank reducing alone (replica groups {{r}}: no
+    all-reduce across ranks), and checked against eager run without the in-memory collectives (the fake
+    process group's: each rank's partial sum). Per case the check's rel-L2 (rank worst; NaN where a broken
+    gather made garbage) and verdict."""
+    from qic.backends.neuron.build import NeuronBackend, rank_sample, rank_weights
+    from qic.builder.binding import fake_world
+    from qic.parallel.tp import apply_tp
+    cfgs = _configs(text_encoder={"num_key_value_heads": max(tp, 2)}, num_layers=2)
+    fake_world(Layout(tp))
+    backend = NeuronBackend.__new__(NeuronBackend)
+    world = {"0": [list(range(tp))]}
+    out = {}
+    for component in ("text_encoder", "denoiser"):
+        mod = _random(COMPONENTS[component].make_module(cfgs[component], tp_size=tp, looped=True))
+        apply_tp(mod)
+        g = _graph(component, mod, cfgs)
+        names = dict(g.module.named_parameters())
+        names.update(g.module.named_buffers())
+        right = xl.lower(g.module, g.inputs, names, groups=world)
+        alone = xl.lower(g.module, g.inputs, names, groups={"0": [[r] for r in range(tp)]})
+        sample = _inputs(g)
+        unmet = []
+        for r in range(tp):   # eager without the collectives modelled: the fake group returns its input
+            with torch.no_grad():
+                got = torch.func.functional_call(g.module, rank_weights(names, r),
+                                                 tuple(t for _, t in rank_sample(sample, world, r)))
+            unmet.append(got[0] if isinstance(got, tuple) else got)
+        xla = xl.execute_ranks(right.proto, [right.values(rank_sample(sample, world, r), rank_weights(names, r))
+                                             for r in range(tp)])
+        checks = {case: backend.check(low, g.module, g.inputs, names, world, tp)
+                  for case, low in (("right", right), ("reduced_alone", alone))}
+        out[component] = {
+            **{case: {"rel_l2": c["xla_cpu_rel_l2"], "ok": c["ok"]} for case, c in checks.items()},
+            "eager_without_collectives": max(((x[0] - u).norm() / x[0].norm()).item() for x, u in zip(xla, unmet)),
+        }
+    return out
+
+
 def main(argv: list[str]) -> None:
     what = argv[0] if argv else "depth"
     if what == "--smoke":
@@ -442,6 +483,8 @@ def main(argv: list[str]) -> None:
         result = layout_check(*(int(v) for v in argv[1:4]))
     elif what == "sensitivity":
         result = sensitivity()
+    elif what == "sensitivity-ranks":
+        result = sensitivity_ranks(int(argv[1]))
     elif what == "depth-sizes":
         result = depth_sizes()
     elif what == "real":

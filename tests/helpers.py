@@ -123,3 +123,28 @@ def rewritten_bundle(src, dst, component: str | None = None, edit=None, manifest
     m = manifest(m) if manifest is not None else m
     (dst / "manifest.json").write_text(json.dumps(finalize({k: v for k, v in m.items() if k != "id"})))
     return dst
+
+
+def outputs_on_collective_buffers(package) -> list[str]:
+    """The outputs of an AOTInductor package (its generated wrapper.cpp) that are, or reuse, a buffer a functional
+    collective read or wrote (the code under a "Source Nodes" comment naming a _c10d_functional op): what qic's
+    collective graph configs rule out (qic/backends/inductor/build.py)."""
+    import re
+    import zipfile
+    with zipfile.ZipFile(package) as z:
+        src = next(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    reused = dict(re.findall(r"auto (\w*buf\d+) = std::move\((\w*buf\d+)\);\s*// reuse", src))
+
+    def root(buf):
+        while buf in reused:
+            buf = reused[buf]
+        return buf
+    touched, in_collective = set(), False
+    for line in src.splitlines():
+        line = line.strip()
+        if line.startswith("//") and "Source Nodes" in line:
+            in_collective = "_c10d_functional" in line
+        elif in_collective and "AOTI_TORCH_ERROR_CODE_CHECK" in line:
+            touched |= {root(b) for b in re.findall(r"\b(\w*buf\d+)\b", line)}
+    return [f"output {i} = {b}" for i, b in re.findall(r"output_handles\[(\d+)\] = (\w*buf\d+)", src)
+            if root(b) in touched]

@@ -154,21 +154,3 @@ def test_missing_libnrt_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(neuron_loader, "DEFAULT_LIBNRT", str(tmp_path / "libnrt.so.1"))
     path, why = neuron_loader.find_library()
     assert path is None and why.startswith("libnrt (the Neuron runtime) not found") and "\n" not in why
-
-
-@pytest.mark.parametrize("layout, says", [({"tp": 2}, "TP 2 (world 2)"),
-                                          ({"tp": 1, "layout": {"ulysses": 2, "cfg": 2}},
-                                           "TP 1 x Ulysses 2 x CFG-parallel 2 (world 4)")])
-def test_xla_cpu_refuses_a_multi_rank_bundle_naming_its_layout(tmp_path, layout, says):
-    """One XLA:CPU device per process: a bundle of world > 1 is refused before anything loads, in one line
-    that names the layout it was built for (a Ulysses or CFG-parallel bundle has world > tp)."""
-    from qic.backends.neuron import PARAMS_FILE
-    from qic.backends.neuron.load import load
-    from qic.parallel.mesh import Layout
-    graph = tmp_path / "bundle" / "graphs" / "denoiser" / "graph.hlo.pb"
-    graph.parent.mkdir(parents=True)
-    (graph.parent / PARAMS_FILE).write_text(json.dumps({"params": []}))
-    world = Layout.of_manifest(layout).world
-    with pytest.raises(BundleError) as e:
-        load(graph, [], "xla-cpu", rank=0, world=world, manifest=layout)
-    assert says in str(e.value) and "\n" not in str(e.value), e.value

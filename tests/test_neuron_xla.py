@@ -1,8 +1,10 @@
 """The neuron back end's lowering half, run for real: torch-xla in .venv-xla (`make xla-env`).
 
 Every graph lowers to an HloModuleProto, executes on XLA:CPU and matches eager PyTorch; the image made
-through the lowered graphs matches the inductor bundle's; TP graphs hold explicit all-reduces over the
-TP ranks and, run on as many XLA:CPU devices, equal TP 1; the looped graphs stay depth-independent; the
+through the lowered graphs matches the inductor bundle's, at TP 1 and TP 2 (rank 0's two XLA:CPU devices
+running both ranks' graphs); a TP build checks every rank's graph on as many XLA:CPU devices against eager
+at as many ranks, and that check can fail; TP graphs hold explicit all-reduces over the TP ranks and, run
+on as many XLA:CPU devices, equal TP 1; the looped graphs stay depth-independent; the
 real Qwen-Image configs lower far below the 2 GB protobuf limit. neuronx-cc and libnrt are not here:
 their halves are tested against fakes in test_neuron_cc_fake.py / test_neuron_loader_fake.py.
 """
@@ -89,19 +91,84 @@ def test_lower_only_bundle_refuses_the_neuron_device_in_one_line(neuron_bundle):
 
 def test_image_through_lowered_graphs_matches_inductor_bundle(neuron_bundle, bundle, workdir):
     """Same checkpoint, prompt, seed and steps: the neuron bundle run on XLA:CPU vs the inductor bundle."""
-    nb, _ = neuron_bundle
-    common = ["--prompt", SHORT_PROMPT, "--steps", "4", "--seed", "3"]
-    xla_png, ind_png = workdir / "xla-cpu.png", workdir / "inductor.png"
-    xla_qic("run", nb, "--device", "xla-cpu", *common, "--output", xla_png)
-    qic("run", bundle, *common, "--output", ind_png)
+    _draws_like_inductor(neuron_bundle[0], bundle, workdir, "tp1")
+
+
+def _draws_like_inductor(neuron: Path, inductor: Path, workdir: Path, tag: str, wrong_seed: bool = True) -> None:
+    """`qic run --device xla-cpu` on the neuron bundle and `qic run` on the inductor bundle of the same spec
+    draw the same image: fp32 graphs on both sides, so the only differences are reassociated sums (~1e-6
+    relative), far below one 8-bit level: at most 2/255 anywhere, a mean of 0.02 of a level. The bound can fail (wrong_seed):
+    another seed through the inductor bundle is far outside it."""
+    def common(seed: int) -> list:
+        return ["--prompt", SHORT_PROMPT, "--steps", "4", "--seed", seed]
+    xla_png, ind_png = workdir / f"xla-cpu-{tag}.png", workdir / f"inductor-{tag}.png"
+    xla_qic("run", neuron, "--device", "xla-cpu", *common(3), "--output", xla_png)
+    qic("run", inductor, *common(3), "--output", ind_png)
     worst, mean = image_diff(Image.open(xla_png), Image.open(ind_png))
-    print(f"xla-cpu vs inductor: max {worst:.0f}/255, mean {mean:.5f} levels")
+    print(f"{tag}: xla-cpu vs inductor: max {worst:.0f}/255, mean {mean:.5f} levels")
     assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
-    # The bound can fail: another seed through the inductor bundle is far outside it.
-    other = workdir / "inductor-seed4.png"
-    qic("run", bundle, "--prompt", SHORT_PROMPT, "--steps", "4", "--seed", "4", "--output", other)
+    if not wrong_seed:
+        return
+    other = workdir / f"inductor-{tag}-seed4.png"
+    qic("run", inductor, *common(4), "--output", other)
     worst_wrong, _ = image_diff(Image.open(xla_png), Image.open(other))
     assert worst_wrong > 20
+
+
+@pytest.fixture(scope="session")
+def neuron_bundle_tp2(workdir, tiny_ckpt) -> tuple[Path, subprocess.CompletedProcess]:
+    """bundle_tp2's spec (TP 2, bucket 128) on the neuron back end; the VAE graph is neuron_bundle's."""
+    out = workdir / "bundle-neuron-tp2"
+    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+                   "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--tp", "2")
+    return out, proc
+
+
+def test_tp2_build_checks_every_rank_on_as_many_xla_cpu_devices(neuron_bundle_tp2):
+    """The graphs with collectives ran at both ranks on two XLA:CPU devices against eager at two ranks; the
+    lower-only warning says so, graph by kind, and lists nothing unchecked."""
+    bundle, proc = neuron_bundle_tp2
+    graphs = {g["name"]: g["checks"] for g in _manifest(bundle)["graphs"]}
+    assert {n: c["xla_cpu_ranks"] for n, c in graphs.items()} == {
+        "text_encoder@L128": 2, "denoiser@48x80@L128": 2, "vae_decoder@48x80": 1}
+    for name, c in graphs.items():
+        print(name, c)
+        assert 0 <= c["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2 and c["xla_cpu_max_abs"] >= 0, name
+    warnings = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, proc.stdout
+    assert ("3 of 3 graphs executed on XLA:CPU and matched eager PyTorch (1 on one XLA:CPU device, 2 at 2 ranks "
+            "on 2 XLA:CPU devices)") in warnings[0] and "not checked" not in warnings[0], warnings[0]
+
+
+def test_tp2_neuron_bundle_runs_on_xla_cpu_like_the_inductor_tp2_bundle(neuron_bundle_tp2, bundle_tp2, workdir):
+    """`qic run --device xla-cpu` on a TP 2 bundle: two rank processes, rank 0's two XLA:CPU devices running
+    both ranks' graphs, the image bundle_tp2 (inductor, TP 2) draws."""
+    _draws_like_inductor(neuron_bundle_tp2[0], bundle_tp2, workdir, "tp2")
+
+
+def test_cfg_parallel_neuron_bundle_runs_on_xla_cpu_like_the_inductor_tp2_bundle(workdir, tiny_ckpt, bundle_tp2):
+    """A layout other than TP: CFG-parallel 2 (the step's cond and uncond rows on two ranks, an all-gather
+    over the CFG axis), checked at build at both ranks, run on two XLA:CPU devices; every layout draws the
+    TP 1 image, so the inductor TP 2 bundle's is the reference (the text encoder and VAE are TP 1 graphs,
+    cache hits of neuron_bundle's)."""
+    out = workdir / "bundle-neuron-cfg2"
+    xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+            "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--cfg-parallel")
+    ranks = {g["name"]: g["checks"]["xla_cpu_ranks"] for g in _manifest(out)["graphs"]}
+    assert ranks == {"text_encoder@L128": 1, "denoiser@48x80@L128": 2, "vae_decoder@48x80": 1}
+    _draws_like_inductor(out, bundle_tp2, workdir, "cfg2", wrong_seed=False)
+
+
+def test_multi_rank_build_check_can_fail():
+    """The build's 2-rank check passes the graphs as lowered and fails them lowered with each rank reducing
+    alone; and eager without the in-memory collectives (the build's fake group) is far from the HLO."""
+    proc = xla("-m", "benchmarks.xla_lowering", "sensitivity-ranks", 2, env={"CPU_NUM_DEVICES": "2"})
+    result = json.loads(proc.stdout.splitlines()[-1])
+    print(result)
+    for component, r in result.items():
+        assert r["right"]["ok"] and r["right"]["rel_l2"] <= XLA_CPU_REL_L2, component
+        assert not r["reduced_alone"]["ok"], component
+        assert r["eager_without_collectives"] > 1e-2, component   # 1000x the bound
 
 
 def test_second_config_lowers_and_checks(workdir, tiny_alt_ckpt):

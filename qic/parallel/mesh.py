@@ -92,8 +92,8 @@ def join(layout: Layout) -> None:
     """Create the layout's process groups (every rank calls this, in the same order, before any other
     new_group) and register this rank's groups under the axis aliases; and the host's exchange groups
     (host_group). Idempotent per process group; nothing to do on one rank."""
-    if layout.world == 1:
-        return
+    if layout.world == 1 or (layout.plain and not dist.is_initialized()):
+        return   # plain TP without a process group: a rank's weights loaded alone (neuron's per-rank load)
     if not dist.is_initialized():
         raise ConfigError(f"the bundle's layout {layout.describe()} needs a torch.distributed process group")
     if dist.get_world_size() != layout.world:

@@ -33,10 +33,25 @@ def takes_qic_passes(device: str) -> bool:
     return device == "cpu"
 
 
-def compile_options(device: str, passes: bool = True, cpu_target: str = "native") -> dict:
+# A graph with collectives gets no buffer reuse and no in-place buffers. Otherwise inductor may hand a
+# collective's output buffer on to a graph output (seen: the CFG-parallel step returned the buffer of its last
+# all_gather). The gloo work that filled it still holds it, and frees it from its worker thread after the run
+# has returned it to Python: freeing a tensor with a Python object takes the GIL, which the next run holds
+# while it waits for that worker's queue lock. Deadlock (docs/parallelism.md, "Why compile on a fake group").
+COLLECTIVE_GRAPH_CONFIGS: dict = {"allow_buffer_reuse": False, "inplace_buffers": False}
+
+
+def has_collectives(program) -> bool:
+    """Whether an exported program calls a functional collective (TP, Ulysses, CFG-parallel graphs)."""
+    return any(n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
+               for n in program.graph.nodes)
+
+
+def compile_options(device: str, passes: bool = True, cpu_target: str = "native", collectives: bool = False) -> dict:
     """The inductor configs qic compiles a graph with on `device` (passes=False: without qic's pass, for
-    the before/after of benchmarks.step_profile) for a resolved `cpu_target` (target.py)."""
-    options = dict(INDUCTOR_CONFIGS)
+    the before/after of benchmarks.step_profile) for a resolved `cpu_target` (target.py); `collectives`: the
+    graph has some (COLLECTIVE_GRAPH_CONFIGS)."""
+    options = dict(INDUCTOR_CONFIGS) | (COLLECTIVE_GRAPH_CONFIGS if collectives else {})
     if passes and takes_qic_passes(device):
         from qic.backends.inductor.passes import UnfuseCpuBiasAddmm
         options["post_grad_custom_post_pass"] = UnfuseCpuBiasAddmm()
@@ -120,6 +135,8 @@ class InductorBackend(Backend):
             program = torch.export.export(WeightsAsInputs(gdef.module, names), (args, [tensors[n] for n in names]),
                                           dynamic_shapes=dynamic)
         h = hashlib.sha256(b"qic-graph-v2")
+        if has_collectives(program):   # compiled with other configs: its own key
+            h.update(json.dumps(COLLECTIVE_GRAPH_CONFIGS, sort_keys=True).encode())
         h.update(graph_text(program).encode())
         h.update(str(program.graph_signature).encode())
         return Traced(h, names, program)
@@ -137,7 +154,8 @@ class InductorBackend(Backend):
                                     category=FutureWarning)
             with pinned_vector_isa(self.cpu_target):
                 aoti_compile_and_package(program, package_path=str(path),
-                                         inductor_configs=compile_options(self.device, cpu_target=self.cpu_target))
+                                         inductor_configs=compile_options(self.device, cpu_target=self.cpu_target,
+                                                                          collectives=has_collectives(program)))
         baked = constant_names(path)
         if baked:  # a weight-dependent constant would silently pin one checkpoint's values
             raise RuntimeError(f"compiled graph holds constants {baked[:3]}; expected none")

@@ -50,7 +50,8 @@ def xla_available() -> bool:
 class NeuronBackend(Backend):
     name = NAME
 
-    def __init__(self, device: str, compiler_args: dict | None = None, lnc: int = 1, xla_check: bool = True):
+    def __init__(self, device: str, compiler_args: dict | None = None, lnc: int = 1, xla_check: bool = True,
+                 world: int = 1):
         if device not in DEVICES:
             raise ConfigError(f"the neuron back end targets device 'neuron', not {device!r}")
         if not xla_available():
@@ -62,6 +63,9 @@ class NeuronBackend(Backend):
         self.compiler_args = dict(compiler_args or {})
         self.lnc = lnc
         self.xla_check = xla_check
+        if xla_check and world > 1:   # a multi-rank graph's check runs on `world` XLA:CPU devices (compile)
+            from qic.backends.neuron import xla_runtime
+            xla_runtime.reserve_devices(world)
         self.compiler, self.compiler_missing = neuron_cc.find()
         self.compiler_version = neuron_cc.version(self.compiler) if self.compiler else None
         for component, args in self.compiler_args.items():   # refuse bad flags before any work
@@ -69,7 +73,8 @@ class NeuronBackend(Backend):
 
     @classmethod
     def from_spec(cls, spec) -> NeuronBackend:
-        return cls(spec.device, compiler_args=dict(spec.compiler_args), lnc=spec.lnc, xla_check=spec.xla_check)
+        return cls(spec.device, compiler_args=dict(spec.compiler_args), lnc=spec.lnc, xla_check=spec.xla_check,
+                   world=spec.layout.world)
 
     def identity(self) -> dict:
         """What the lowered HLO depends on. The compiler's version and flags key the NEFFs instead
@@ -102,30 +107,36 @@ class NeuronBackend(Backend):
         # The ranks its collectives span: a graph without any (the VAE, a TP 1 step) checks on one device.
         collective = set(hlo_proto.opcodes(lowered.proto)) & COLLECTIVES
         ranks = 1 + max(r for g in groups.values() for group in g for r in group) if collective else 1
-        digest = hashlib.sha256(b"qic-hlo-v1" + hashlib.sha256(lowered.proto).digest())
+        # Multi-rank entries made before their build-time check existed hold no check: a new key re-checks them.
+        salt = b"qic-hlo-v1" + (b"-ranks-checked" if ranks > 1 else b"")
+        digest = hashlib.sha256(salt + hashlib.sha256(lowered.proto).digest())
         # Scalars torch-xla made parameters travel with the graph, after its weights.
-        return Traced(digest, list(tensors) + list(lowered.constants), (lowered, gdef, tensors, ranks),
+        return Traced(digest, list(tensors) + list(lowered.constants), (lowered, gdef, tensors, ranks, groups),
                       constants=dict(lowered.constants))
 
     def compile(self, traced: Traced, out_dir: Path) -> CompiledGraph:
         """Write the HLO files, then execute them on XLA:CPU against eager (fp32: rel-L2 <= XLA_CPU_REL_L2;
-        bf16: see check()); a graph beyond its bound fails the build."""
-        lowered, gdef, tensors, ranks = traced.payload
+        bf16: see check()); a graph beyond its bound fails the build. A graph with collectives runs at every
+        rank of its world, one XLA:CPU device each, against eager PyTorch at as many ranks."""
+        lowered, gdef, tensors, ranks, groups = traced.payload
         compiled = self.write(lowered, traced.weight_names, [n for n, _ in gdef.inputs], out_dir)
         checks = {"xla_cpu_rel_l2": None, "tp": ranks}
+        narrow = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()
+                         if t.is_floating_point() and t.dtype != torch.float32})
         if not self.xla_check:
             checks["xla_cpu_check"] = "not run (xla_check: false)"
-        elif ranks == 1:
-            result = self.check(lowered, gdef.module, gdef.inputs, tensors)
+        elif ranks > 1 and narrow:
+            # XLA:CPU's collectives take no bf16 ("AllReduce for datatype 'bf16' is not supported", torch-xla
+            # 2.9; inside a While it crashed the process): such a graph is lowered, not executed here.
+            checks["xla_cpu_check"] = (f"not run: {ranks}-rank {'/'.join(narrow)} graph (XLA:CPU has no "
+                                       f"{'/'.join(narrow)} collectives)")
+        else:
+            result = self.check(lowered, gdef.module, gdef.inputs, tensors, groups, ranks)
             if not result.pop("ok"):
                 raise CompileError(f"graph {gdef.name}: lowered HLO on XLA:CPU differs from eager PyTorch "
                                    f"beyond its bound ({result['bound']}; rel-L2 "
                                    f"{result['xla_cpu_rel_l2']:.3g})", "report this as a qic bug")
             checks.update({k: float(f"{v:.3g}") if isinstance(v, float) else v for k, v in result.items()})
-        else:
-            # A graph's collectives need its ranks' XLA:CPU devices executing in lockstep with every rank's
-            # shard; the tests run that (tests/test_neuron_xla.py); the build records no figure.
-            checks["xla_cpu_check"] = f"not run at build time for {ranks} ranks (see tests/test_neuron_xla.py)"
         compiled.meta = {"checks": checks, "hlo": {"bytes": len(lowered.proto),
                                                    "parameters": len(lowered.param_order)}}
         return compiled
@@ -137,10 +148,9 @@ class NeuronBackend(Backend):
         from qic.cache import layout
         from qic.manifest import sha256_file
         if self.compiler is None:
-            checked = "lowered and checked on XLA:CPU" if self.xla_check else "lowered, not checked (xla_check: false)"
             return Finished(artifacts, warnings=[f"no NEFFs: {self.compiler_missing}; the bundle is lower-only "
-                                                 f"(every graph {checked}); the same build on a Trainium host "
-                                                 "compiles it"])
+                                                 f"({checked_summary(artifacts)}); the same build on a Trainium "
+                                                 "host compiles it"])
         # Each NEFF lives under its own cache key (HLO digest, compiler version, canonical flags), so a
         # compiler upgrade or new flags never overwrite a NEFF another build uses.
         jobs, hits = [], []
@@ -191,26 +201,34 @@ class NeuronBackend(Backend):
         (out_dir / PARAMS_FILE).write_text(json.dumps({"params": params, "outputs": lowered.outputs}) + "\n")
         return CompiledGraph(file=HLO_FILE, extra_files=[PARAMS_FILE])
 
-    def check(self, lowered, module: torch.nn.Module, inputs: list, tensors: dict) -> dict:
+    def check(self, lowered, module: torch.nn.Module, inputs: list, tensors: dict, groups: dict | None = None,
+              ranks: int = 1) -> dict:
         """The HLO executed on XLA:CPU against the eager module, on inputs drawn so every input matters
-        (random activations, random token ids, a partly padded mask). {"xla_cpu_rel_l2", "ok", "bound"}.
+        (random activations, random token ids, a partly padded mask). With ranks > 1, rank r's HLO runs on
+        XLA:CPU device r with rank r's weights and mesh coordinates, all ranks at once so the collectives
+        really combine them, against eager PyTorch at the same ranks (qic.backends.neuron.ranks); every
+        figure is the worst over the ranks and outputs. {"xla_cpu_rel_l2", "xla_cpu_max_abs", "ok", "bound",
+        "xla_cpu_ranks"}.
 
         fp32: rel-L2 against eager <= XLA_CPU_REL_L2. bf16/fp16: XLA and eager round differently, so
         each is compared with the module run in fp32, and XLA's error may be at most twice eager's own
-        (both are one sample of the same low-precision rounding noise) plus the fp32 allowance.
+        (both are one sample of the same low-precision rounding noise) plus the fp32 allowance. max-abs is
+        recorded, not bounded: its scale is the output's (latents, hidden states, pixels), rel-L2's is not.
         """
-        from qic.backends.neuron import lower as xla_lower
         sample = check_inputs(inputs, tensors)
-        got = xla_lower.execute(lowered.proto, lowered.values(sample, tensors))
-        want = _run(module, tensors, sample)
-        rel = max(_rel(g, w) for g, w in zip(got, want))
+        per_rank = [(rank_weights(tensors, r), rank_sample(sample, groups, r)) for r in range(ranks)]
+        got = _execute(lowered, per_rank)
+        want = _eager(module, per_rank, groups)
+        rel = _worst(_rel, got, want)
+        figures = {"xla_cpu_rel_l2": rel, "xla_cpu_max_abs": _worst(_max_abs, got, want), "xla_cpu_ranks": ranks,
+                   "xla_cpu_check": (f"{ranks} ranks on {ranks} XLA:CPU devices vs eager at {ranks} ranks"
+                                     if ranks > 1 else "one XLA:CPU device vs eager")}
         if not any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors.values()):
-            return {"xla_cpu_rel_l2": rel, "ok": rel <= XLA_CPU_REL_L2, "bound": f"rel-L2 <= {XLA_CPU_REL_L2}"}
-        wide = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
-        ref = _run(module, wide, [(n, t.float() if t.is_floating_point() else t) for n, t in sample])
-        xla_err = max(_rel(g, r) for g, r in zip(got, ref))
-        eager_err = max(_rel(w, r) for w, r in zip(want, ref))
-        return {"xla_cpu_rel_l2": rel, "xla_cpu_rel_l2_vs_fp32": xla_err, "eager_rel_l2_vs_fp32": eager_err,
+            return {**figures, "ok": rel <= XLA_CPU_REL_L2, "bound": f"rel-L2 <= {XLA_CPU_REL_L2}"}
+        ref = _eager(module, [(_wide(w), [(n, t.float() if t.is_floating_point() else t) for n, t in x])
+                              for w, x in per_rank], groups)
+        xla_err, eager_err = _worst(_rel, got, ref), _worst(_rel, want, ref)
+        return {**figures, "xla_cpu_rel_l2_vs_fp32": xla_err, "eager_rel_l2_vs_fp32": eager_err,
                 "ok": xla_err <= 2 * eager_err + XLA_CPU_REL_L2,
                 "bound": f"vs fp32: XLA {xla_err:.3g} <= 2 x eager {eager_err:.3g} + {XLA_CPU_REL_L2}"}
 
@@ -218,15 +236,94 @@ class NeuronBackend(Backend):
 BACKEND = NeuronBackend
 
 
-def _run(module: torch.nn.Module, tensors: dict, sample: list) -> list:
-    with torch.no_grad():
-        out = torch.func.functional_call(module, tensors, tuple(t for _, t in sample))
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+def _execute(lowered, per_rank: list) -> list[list[torch.Tensor]]:
+    from qic.backends.neuron import lower as xla_lower
+    values = [lowered.values(sample, tensors) for tensors, sample in per_rank]
+    if len(values) == 1:
+        return [xla_lower.execute(lowered.proto, values[0])]
+    try:
+        return xla_lower.execute_ranks(lowered.proto, values)
+    except RuntimeError as e:   # too few devices: torch-xla started before the backend could ask for more
+        raise CompileError(f"XLA:CPU check of a {len(values)}-rank graph: {e}",
+                           f"set CPU_NUM_DEVICES={len(values)} for the build, or build with xla_check: false") from e
+
+
+def _eager(module: torch.nn.Module, per_rank: list, groups: dict | None) -> list[list[torch.Tensor]]:
+    if len(per_rank) == 1:
+        tensors, sample = per_rank[0]
+        with torch.no_grad():
+            out = torch.func.functional_call(module, tensors, tuple(t for _, t in sample))
+        return [list(out) if isinstance(out, (tuple, list)) else [out]]
+    from qic.backends.neuron.ranks import run_ranks
+    return run_ranks(module, per_rank, groups)
+
+
+def _wide(tensors: dict) -> dict:
+    return {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
+
+
+def _worst(measure, got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> float:
+    """The largest figure over ranks and outputs; NaN if any is (Python's max would skip a NaN that is not first)."""
+    values = [measure(g, w) for got_r, want_r in zip(got, want) for g, w in zip(got_r, want_r)]
+    return float("nan") if any(v != v for v in values) else max(values)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.detach().float()
     return ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _max_abs(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.float() - want.detach().float()).abs().max().item()
+
+
+def rank_weights(tensors: dict, rank: int) -> dict:
+    """Rank r's weights for the check: rank 0's as bound (its real shard), rank r > 0's floating tensors
+    scaled elementwise by a seeded factor in [0.75, 1.25]. The ranks must differ, or a collective over the
+    wrong group (or none) would sum equal parts and go unseen; the HLO and eager get the same weights, so
+    the check compares the lowering, whatever the values."""
+    if rank == 0:
+        return tensors
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return {n: (t.float() * (0.75 + 0.5 * torch.rand(t.shape, generator=gen))).to(t.dtype)
+            if t.is_floating_point() else t for n, t in tensors.items()}
+
+
+def rank_sample(sample: list, groups: dict | None, rank: int) -> list:
+    """The check's inputs at rank r: its mesh coordinates where the graph takes them (cfg_rank, sp_rank:
+    r's place in its group along that axis), the rest as drawn."""
+    from qic.parallel.mesh import ALIASES, RANK_INPUTS
+    out = []
+    for name, t in sample:
+        if name in RANK_INPUTS:
+            group = next(g for g in (groups or {})[ALIASES[RANK_INPUTS[name]]] if rank in g)
+            t = torch.tensor([group.index(rank)], dtype=t.dtype)
+        out.append((name, t))
+    return out
+
+
+def checked_summary(artifacts: list) -> str:
+    """What the build checked, for the lower-only warning: how many graphs ran on XLA:CPU against eager
+    and at how many ranks, and which were not checked."""
+    by_ranks: dict[int, int] = {}
+    unchecked = []
+    for art in artifacts:
+        checks = art.meta.get("checks", {})
+        if checks.get("xla_cpu_rel_l2") is None:
+            unchecked.append(art.meta["graph"])
+        else:
+            ranks = checks.get("xla_cpu_ranks", 1)
+            by_ranks[ranks] = by_ranks.get(ranks, 0) + 1
+    parts = [f"{n} on one XLA:CPU device" if r == 1 else f"{n} at {r} ranks on {r} XLA:CPU devices"
+             for r, n in sorted(by_ranks.items())]
+    checked = sum(by_ranks.values())
+    text = (f"{checked} of {len(artifacts)} graphs executed on XLA:CPU and matched eager PyTorch "
+            f"({', '.join(parts)})" if checked else f"none of the {len(artifacts)} graphs checked on XLA:CPU")
+    if unchecked:
+        why = next(a.meta.get("checks", {}).get("xla_cpu_check", "no check recorded") for a in artifacts
+                   if a.meta["graph"] == unchecked[0])
+        text += f"; not checked: {', '.join(unchecked)} ({why})"
+    return text
 
 
 def check_inputs(inputs: list, tensors: dict) -> list:

@@ -2,7 +2,8 @@
 lower-only) the NEFF. `device` picks how it runs:
 - "neuron": the NEFF on a NeuronCore through libnrt (qic.backends.neuron.nrt);
 - "xla-cpu": the HLO module on XLA:CPU through torch-xla (qic.backends.neuron.xla_runtime), e.g. to check a
-  bundle, or a lower-only one, on a machine without Neuron hardware.
+  bundle, or a lower-only one, on a machine without Neuron hardware; a multi-rank bundle's ranks all run on
+  rank 0's XLA:CPU devices, one device each.
 Imports neither model code nor compilers.
 """
 
@@ -15,7 +16,6 @@ import torch
 
 from qic.backends.neuron import NEFF_FILE, PARAMS_FILE, RUN_DEVICES
 from qic.errors import BundleError
-from qic.parallel.mesh import Layout
 
 
 def check(bundle: Path, manifest: dict, device: str) -> None:
@@ -47,16 +47,8 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
     folder = Path(path).parent
     params = json.loads((folder / PARAMS_FILE).read_text())["params"]
     if device == "xla-cpu":
-        if world > 1:
-            # The layout, not just tp: a Ulysses or CFG-parallel bundle has world > tp.
-            built = Layout.of_manifest(manifest).describe() if manifest else f"world {world}"
-            raise BundleError(f"{folder.parent.parent}: --device xla-cpu runs one-rank neuron bundles only (one "
-                              f"XLA:CPU device per process; this one was built for {built})",
-                              "rebuild with no --tp, --ulysses or --cfg-parallel to run it here; multi-rank graphs "
-                              "are checked on XLA:CPU devices by qic's tests (tests/test_neuron_xla.py in its "
-                              "repository)")
         from qic.backends.neuron import xla_runtime
-        return xla_runtime.load(Path(path), params, weights)
+        return xla_runtime.load(Path(path), params, weights, rank=rank, world=world)
     check(folder.parent.parent, manifest or {}, device)
     neff = folder / NEFF_FILE
     if not neff.is_file():

@@ -44,6 +44,7 @@ import torch_xla.core.xla_builder as xb  # noqa: E402
 from torch_xla.experimental.scan import _scan_impl_pytree  # noqa: E402
 
 from qic.backends.neuron import hlo_proto  # noqa: E402
+from qic.backends.neuron.xla_runtime import execute_ranks  # noqa: E402, F401  (the run side's; benchmarks use it here)
 from qic.models.looped import layer_loop  # noqa: E402
 
 
@@ -123,66 +124,6 @@ def execute(proto: bytes, params: list[torch.Tensor]) -> list[torch.Tensor]:
     The runtime's own path (every parameter fed per call)."""
     from qic.backends.neuron import xla_runtime
     return xla_runtime.run_once(proto, params)
-
-
-def execute_ranks(proto: bytes, per_rank: list[list[torch.Tensor]],
-                  name: str = "qic_graph") -> list[list[torch.Tensor]]:
-    """Run one HLO module on len(per_rank) XLA:CPU devices at once, rank r with per_rank[r] as its
-    parameters, so its all-reduces really reduce across the ranks. Needs CPU_NUM_DEVICES >= ranks set
-    before torch-xla starts (a fresh process).
-
-    One thread per device. Each device's run must come from one compiled executable: compiled twice,
-    the CPU runtime gives the copies different collective ids and their all-reduces never meet (seen
-    with torch-xla 2.9). So the first time a module runs, rank 0 starts alone and the others start once
-    the compilation cache holds its executable; they find it there and join rank 0's collectives. The
-    parameters are on their devices before any thread starts, so the ranks meet well inside the
-    runtime's 10 s rendezvous limit.
-    """
-    import hashlib
-    import threading
-    import time
-
-    import torch_xla.core.xla_model as xm
-    ranks = len(per_rank)
-    devices = [torch_xla.device(r) for r in range(ranks)]
-    if len({str(d) for d in devices}) != ranks:
-        raise RuntimeError(f"{ranks} ranks need CPU_NUM_DEVICES >= {ranks} set before torch-xla starts")
-    computation = xb.computation_from_module_proto(name, proto)
-    on_device = [[p.to(devices[r]) for p in per_rank[r]] for r in range(ranks)]
-    key = hashlib.sha256(proto + repr([(tuple(p.shape), p.dtype) for p in per_rank[0]]).encode()).hexdigest()
-    first_time = key not in _EXECUTED
-    results: dict[int, list[torch.Tensor]] = {}
-    errors: list[BaseException] = []
-
-    def rank_fn(r: int) -> None:
-        try:
-            torch_xla._XLAC._xla_set_default_device(str(devices[r]))
-            xm.set_replication(devices[r], [str(d) for d in devices])
-            outs = torch_xla._XLAC._xla_user_computation(f"qic::{name}", on_device[r], computation)
-            # All outputs in one execution: fetched one by one, each .cpu() would compile its own graph
-            # (the module plus one output) on each rank, and those copies' collectives never meet.
-            torch_xla._XLAC._xla_sync_multi(list(outs), [str(devices[r])], True)
-            results[r] = [o.cpu() for o in outs]
-        except BaseException as e:  # surfaced below, after every thread ended
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in range(ranks)]
-    compiled = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
-    threads[0].start()
-    while first_time and threads[0].is_alive() and \
-            torch_xla._XLAC._xla_get_num_cached_compilation_graph() == compiled:
-        time.sleep(0.02)
-    for t in threads[1:]:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    _EXECUTED.add(key)
-    return [results[r] for r in range(ranks)]
-
-
-_EXECUTED: set[str] = set()
 
 
 # --------------------------------------------------------------------------------------------- loops
