@@ -127,8 +127,8 @@ def rewritten_bundle(src, dst, component: str | None = None, edit=None, manifest
 
 def outputs_on_collective_buffers(package) -> list[str]:
     """The outputs of an AOTInductor package (its generated wrapper.cpp) that are, or reuse, a buffer a functional
-    collective read or wrote (the code under a "Source Nodes" comment naming a _c10d_functional op): what qic's
-    collective graph configs rule out (qic/backends/inductor/build.py)."""
+    collective read or wrote (a _c10d_functional call, or a proxy-executor call under the comment naming one): what
+    qic's collective graph configs rule out (qic/backends/inductor/build.py)."""
     import re
     import zipfile
     with zipfile.ZipFile(package) as z:
@@ -144,7 +144,8 @@ def outputs_on_collective_buffers(package) -> list[str]:
         line = line.strip()
         if line.startswith("//") and "Source Nodes" in line:
             in_collective = "_c10d_functional" in line
-        elif in_collective and "AOTI_TORCH_ERROR_CODE_CHECK" in line:
+        elif "aoti_torch_cpu__c10d_functional_" in line or (in_collective and "proxy_executor_call_function" in line):
+            # a collective called directly, or through the proxy executor (all_gather_into_tensor here)
             touched |= {root(b) for b in re.findall(r"\b(\w*buf\d+)\b", line)}
     return [f"output {i} = {b}" for i, b in re.findall(r"output_handles\[(\d+)\] = (\w*buf\d+)", src)
             if root(b) in touched]

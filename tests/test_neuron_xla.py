@@ -97,8 +97,8 @@ def test_image_through_lowered_graphs_matches_inductor_bundle(neuron_bundle, bun
 def _draws_like_inductor(neuron: Path, inductor: Path, workdir: Path, tag: str, wrong_seed: bool = True) -> None:
     """`qic run --device xla-cpu` on the neuron bundle and `qic run` on the inductor bundle of the same spec
     draw the same image: fp32 graphs on both sides, so the only differences are reassociated sums (~1e-6
-    relative), far below one 8-bit level: at most 2/255 anywhere, a mean of 0.02 of a level. The bound can fail (wrong_seed):
-    another seed through the inductor bundle is far outside it."""
+    relative), far below one 8-bit level: at most 2/255 anywhere, a mean of 0.02 of a level. The bound can fail
+    (wrong_seed): another seed through the inductor bundle is far outside it."""
     def common(seed: int) -> list:
         return ["--prompt", SHORT_PROMPT, "--steps", "4", "--seed", seed]
     xla_png, ind_png = workdir / f"xla-cpu-{tag}.png", workdir / f"inductor-{tag}.png"
