@@ -32,6 +32,12 @@ from tests.test_step_cache import _computed, _qic_run
 
 PROMPT, STEPS, SEED = "a small red cube", 4, 5
 
+INSPECT = {   # qic inspect's layout line: the mesh (docs/parallelism.md) written out by hand
+    "tp2xcfg2": "layout TP 2 x CFG-parallel 2 (world 4): rank = (cfg * 1 + sp) * 2 + tp; tp groups [[0, 1], [2, 3]]; "
+                "cfg groups [[0, 2], [1, 3]]",
+    "tp2xu2": "tp groups [[0, 1], [2, 3]]; sp groups [[0, 2], [1, 3]]",
+    "u2xcfg2": "sp groups [[0, 1], [2, 3]]; cfg groups [[0, 2], [1, 3]]",
+}
 LAYOUTS = {   # name: (flags, manifest layout, the step graph's last inputs, built with step caching)
     "tp2xcfg2": (("--tp", "2", "--cfg-parallel"), {"tp": 2, "ulysses": 1, "cfg": 2, "world": 4}, ["cfg_rank"], True),
     "tp2xu2": (("--tp", "2", "--ulysses", "2"), {"tp": 2, "ulysses": 2, "cfg": 1, "world": 4}, ["sp_rank"], False),
@@ -70,6 +76,8 @@ def test_layout_bundle_runs_as_tp1_by_run_torchrun_and_serve(layout_bundle, tp1_
     step = next(g for g in manifest["graphs"]
                 if g["component"] == "denoiser" and not g["name"].endswith(("@head", "@mid", "@tail")))
     assert [i["name"] for i in step["inputs"]][-len(last_inputs):] == last_inputs
+    shown = " ".join(qic("inspect", out, env={"COLUMNS": "300"}).stdout.split())
+    assert INSPECT[name] in shown and ("step caching: split graphs" in shown) == LAYOUTS[name][3], shown
     for graph in manifest["graphs"]:   # no output a gloo work still holds (qic/backends/inductor/build.py)
         assert outputs_on_collective_buffers(out / graph["file"]) == [], graph["name"]
     qic("run", out, *_run_args(), "--output", tmp_path / "run.png")
