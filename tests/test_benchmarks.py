@@ -57,7 +57,7 @@ SMOKES = {
     "cpu_target": (300, [r"\| x86-64-v3 \| [\d.]+ \| [\d.]+ \| - \| (0|-) \| [\d.e+-]+ \| \d+ \|"]),
     "shapes_quality": (300, [r"\| (held-out|training) \| (128x128|all) \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
                              r"[\d.]+ \|"] * 4),
-    "step_cache": (420, [r"\| tiny \| 3 \| (uncached|threshold [\d.e+-]+|mask 3/3) \| [\d.]+ \| [\d.]+ \| .*"] * 5
+    "step_cache": (420, [r"\| tiny \| 3 \| 3 \| (uncached|threshold [\d.e+-]+|mask 3/3) \| [\d.]+ \| [\d.]+ \| .*"] * 5
                    + [r"wrote .*/img/step-cache\.png"]),
     "peak": (180, [r"\| tiny \| (text_encoder@L72|denoiser@48x80@L72|vae_decoder@48x80) \| [\d.]+ \| .*"] * 3),
 }

@@ -143,9 +143,15 @@ _LOADS = [0]               # graphs loaded by this rank: a graph's number is the
 
 def _load_rank(hlo: Path, params: list[list], weights: list[torch.Tensor], rank: int, world: int):
     """Rank `rank`'s handle on a graph every rank of `world` loads at the same point: rank 0 runs it for all."""
+    import datetime
+
     import torch.distributed as dist
+
+    from qic.parallel.ranks import new_group
     if "group" not in _GROUP:   # collective: every rank makes it at its first graph
-        _GROUP["group"] = dist.new_group(list(range(world)), backend="gloo")
+        # Rank 0 compiles (minutes, on XLA:CPU) and runs every rank's HLO while the others wait on this group:
+        # it waits longer than the graphs' collectives; a dead rank 0 still ends the run (its socket closes).
+        _GROUP["group"] = new_group(list(range(world)), timeout=datetime.timedelta(minutes=30), backend="gloo")
     group = _GROUP["group"]
     number = _LOADS[0] = _LOADS[0] + 1
     mine = {j: weights[j] for kind, j in params if kind == "weight"}
