@@ -155,7 +155,7 @@ def _event_key(rank: int) -> str:
     return f"qic:done:{_EVENTS[0]}:{rank}"
 
 
-def group_done(layout: Layout) -> None:
+def group_done() -> None:
     """Host side: tell the ranks waiting in wait_for_group on this rank that it is done (no collective)."""
     dist.distributed_c10d._get_default_store().set(_event_key(dist.get_rank()), "1")
 

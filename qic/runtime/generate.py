@@ -175,7 +175,7 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
         x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times)
     if share:
         if idler and hi > lo:
-            group_done(bundle.layout)
+            group_done()
         x, rows_state = both_halves(bundle, noise, x, rows_state, bounds, first.cache.active)
     t = time.perf_counter()
     images = bundle.graph("vae_decoder", res, batch=n)(x.float())[0]
