@@ -95,6 +95,39 @@ def test_a_killed_rank_fails_its_peers_within_the_timeout_naming_it(layout, guid
         assert len(timeouts) >= 4 and set(timeouts) == {PG_TIMEOUT_S}, timeouts
 
 
+def _writes_to_stderr(rank: int, world: int, fail: bool):
+    """Both ways a rank writes to stderr: Python's sys.stderr and file descriptor 2 (where C++ writes). With
+    `fail`, rank 1 raises at once and rank 0 writes once more after that."""
+    import sys
+    print(f"rank {rank}: python", file=sys.stderr, flush=True)
+    os.write(2, f"rank {rank}: fd 2\n".encode())
+    if fail and rank == 1:
+        raise ValueError("rank 1 fails")
+    if fail:
+        time.sleep(1.0)
+        os.write(2, b"rank 0: after rank 1 failed\n")
+    return rank
+
+
+def test_a_rank_s_stderr_reaches_ours(capfd):
+    assert spawn(_writes_to_stderr, 2, False, timeout=120) == [0, 1]
+    err = capfd.readouterr().err
+    for line in ("rank 0: python", "rank 0: fd 2", "rank 1: python", "rank 1: fd 2"):
+        assert line in err.splitlines(), err
+
+
+def test_what_ranks_print_after_a_failure_is_kept_apart_from_the_one_line_error(capfd):
+    """The peers' reaction to a rank's death (gloo's and the AOTInductor runtime's C++ warnings) would surround
+    qic's one line: from the first failure on, the ranks' stderr stays in their files, which the error names."""
+    with pytest.raises(RankFailure) as info:
+        spawn(_writes_to_stderr, 2, True, timeout=120)
+    message, err = str(info.value), capfd.readouterr().err
+    assert "after rank 1 failed" not in err, err
+    assert message.startswith("tensor-parallel run failed: rank 1: ValueError: rank 1 fails") and "\n" not in message
+    assert message.endswith(f" (the ranks' stderr: {info.value.stderr_dir})"), message
+    assert "rank 0: after rank 1 failed" in (info.value.stderr_dir / "rank0.stderr").read_text()
+
+
 def test_every_process_group_is_made_through_qics_helper():
     """torch gives a group made without a timeout 30 minutes: every new_group in qic goes through
     qic.parallel.ranks.new_group, and init_process_group is called with a timeout (the fake tracing world's

@@ -10,13 +10,17 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,10 @@ from qic.errors import ConfigError, QicError
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
 # After the first rank fails, the others get the collective timeout to notice and this long to report.
 REPORT_GRACE_S = 10.0
+# The ranks' stderr reaches ours this late, so that what a rank's death sets off in its peers (C++ warnings
+# from gloo, c10d and the AOTInductor runtime, printed the moment they see the closed connection) is held back:
+# the spawner notices a death within its 0.2 s poll plus 0.5 s for a last message, well inside this.
+STDERR_LAG_S = 2.0
 
 
 def group_name(group=None) -> str:
@@ -95,12 +103,14 @@ class RankOutcome:
 class RankFailure(QicError):
     """One or more spawned ranks raised, died or timed out. `.outcomes` holds every rank's result."""
 
-    def __init__(self, outcomes: list[RankOutcome]):
-        self.outcomes = outcomes
+    def __init__(self, outcomes: list[RankOutcome], stderr_dir: Path | None = None):
+        self.outcomes, self.stderr_dir = outcomes, stderr_dir
         # One line, the ranks that died first: their peers' errors (a closed connection, a timeout) follow
-        # from them. A rank's multi-line error keeps its first line here, all of it in .outcomes.
+        # from them. A rank's multi-line error keeps its first line here, all of it in .outcomes; what the
+        # ranks printed after the first failure is in their stderr files, not on the terminal.
         failed = sorted((o for o in outcomes if not o.ok), key=lambda o: (o.error is not None, o.rank))
-        super().__init__("tensor-parallel run failed: " + "; ".join(_describe(o) for o in failed))
+        where = f" (the ranks' stderr: {stderr_dir})" if stderr_dir is not None else ""
+        super().__init__("tensor-parallel run failed: " + "; ".join(_describe(o) for o in failed) + where)
 
 
 def _describe(o: RankOutcome) -> str:
@@ -132,9 +142,72 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+class _StderrRelay:
+    """Each rank's stderr (file descriptor 2, so C++ output too) goes to a file of its own; a thread copies each
+    finished line to this process's stderr STDERR_LAG_S after it appeared. At a rank's failure the copying stops:
+    the peers' reaction to it would only surround qic's one-line error. The files stay, named in that error."""
+
+    def __init__(self, world: int):
+        self.dir = Path(tempfile.mkdtemp(prefix="qic-ranks-"))
+        self.paths = [self.dir / f"rank{r}.stderr" for r in range(world)]
+        for path in self.paths:
+            path.touch()
+        self._offsets = [0] * world
+        self._pending: list[tuple[float, bytes]] = []   # (when first seen, line), oldest first
+        self._held = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qic-rank-stderr", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        now = time.monotonic()
+        for r, path in enumerate(self.paths):
+            with open(path, "rb") as f:
+                f.seek(self._offsets[r])
+                chunk = f.read()
+            end = chunk.rfind(b"\n") + 1      # whole lines only: a rank may be mid-write
+            self._offsets[r] += end
+            self._pending += [(now, line) for line in chunk[:end].splitlines(keepends=True)]
+
+    def _write(self, older_than: float) -> None:
+        ready = [line for seen, line in self._pending if seen <= older_than]
+        self._pending = self._pending[len(ready):]
+        if ready:
+            sys.stderr.flush()
+            os.write(2, b"".join(ready))   # fd 2, where the ranks' C++ would have written
+
+    def _run(self) -> None:
+        while not self._done.wait(0.1) and not self._held.is_set():
+            self._read()
+            self._write(time.monotonic() - STDERR_LAG_S)
+
+    def hold(self) -> None:
+        """A rank failed: copy nothing more."""
+        self._held.set()
+
+    def close(self, failed: bool) -> None:
+        """All ranks are gone: copy the rest at once (none after a failure); keep the files only after one."""
+        self._done.set()
+        self._thread.join()
+        if not failed and not self._held.is_set():
+            self._read()
+            self._write(float("inf"))
+        if not failed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _stderr_to(path: str) -> None:
+    """Point this process's file descriptor 2 at `path` (C++ libraries write there, not to sys.stderr)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _child(fn, parent: int, rank: int, tp: int, port: int, threads: int, timeout_s: float, backend: str, args,
-           q) -> None:
+           q, stderr_path: str | None = None) -> None:
     _die_with_parent(parent)
+    if stderr_path is not None:
+        _stderr_to(stderr_path)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(tp), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(tp)})
     if sys.platform.startswith("linux"):
@@ -176,8 +249,9 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
+    relay = _StderrRelay(tp)
     procs = [ctx.Process(target=_child, args=(fn, os.getpid(), r, tp, port, threads, pg_timeout.total_seconds(),
-                                                       backend, args, q),
+                                              backend, args, q, str(relay.paths[r])),
                          daemon=True) for r in range(tp)]
     for p in procs:
         p.start()
@@ -188,6 +262,7 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
     def record(r: int, outcome: RankOutcome) -> None:
         nonlocal deadline
         if not outcome.ok and all(o.ok for o in outcomes.values()):   # the first failure
+            relay.hold()
             if notify is not None:
                 for other, p in enumerate(procs):
                     if other != r and other not in outcomes and p.is_alive():
@@ -226,11 +301,13 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
                 p.kill()
                 p.join(timeout=5)
         q.close()
+        failed = len(outcomes) < tp or not all(o.ok for o in outcomes.values())
+        relay.close(failed)
     ordered = [outcomes[r] for r in range(tp)]
     for o, p in zip(ordered, procs):
         o.exitcode = p.exitcode
     if not all(o.ok for o in ordered):
-        raise RankFailure(ordered)
+        raise RankFailure(ordered, relay.dir)
     return [o.value for o in ordered]
 
 
