@@ -19,6 +19,7 @@ from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
 from qic.host.cache_policy import format_steps, settings_from
+from qic.host.options import DEFAULT_KEYS, check_all
 from qic.host.schedule import check_overrides
 
 BACKENDS = backends.NAMES
@@ -29,9 +30,6 @@ KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_bucket
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
         "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target", "step_cache",
         "ulysses", "cfg_parallel")
-# Run defaults a bundle records: qic run's and qic serve's when a request leaves them out.
-DEFAULT_KEYS = ("steps", "guidance", "cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous",
-                "cache_steps")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 
 
@@ -356,14 +354,11 @@ def _scheduler(value, source: str) -> tuple:
 
 
 def _defaults(value, source: str) -> tuple:
-    if set(value) - set(DEFAULT_KEYS):
+    """Run defaults a bundle records (qic run's and qic serve's when a request leaves them out): the run options
+    whose rows say a bundle may set them, each checked by its row."""
+    if not isinstance(value, Mapping) or set(value) - set(DEFAULT_KEYS):
         raise ConfigError(f"{source}: defaults must be a mapping with keys {', '.join(DEFAULT_KEYS)}")
-    steps, guidance = value.get("steps"), value.get("guidance")
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ConfigError(f"{source}: defaults.steps must be a positive integer, got {steps!r}")
-    if guidance is not None and (not isinstance(guidance, (int, float)) or isinstance(guidance, bool)
-                                 or not 0 <= guidance < float("inf")):
-        raise ConfigError(f"{source}: defaults.guidance must be a number >= 0, got {guidance!r}")
+    check_all({k: v for k, v in value.items() if k != "cache_steps"}, f"{source}: defaults")
     cache = settings_from({k: v for k, v in value.items() if k.startswith("cache_")}, f"{source}: defaults")
     value = dict(value)
     if cache.steps is not None:

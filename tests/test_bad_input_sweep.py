@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qic.errors import QicError
+from qic.host.options import CACHE_FIELDS
 from qic.spec import KEYS, load_spec
 from tests.conftest import TINY_RES, xdist_worker
 
@@ -84,7 +85,7 @@ ACCEPTED = {"build configs": "accepted and valid", "run options": "accepted", "H
 # Step caching's settings (qic.host.cache_policy): numbers at and around their limits, step masks good and bad.
 _CACHE_VALUES = st.one_of(_VALUES, st.integers(-2, 6), st.floats(-1, 3), st.sampled_from(
     ["0-3,5", "0", "3-1", "a-b", "0-100001", ",", [0, 1, 2], [-1], [True], "1e3", "0.5"]))
-_CACHE_KEYS = ("cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous", "cache_steps")
+_CACHE_KEYS = CACHE_FIELDS   # every step-caching row of qic.host.options
 
 
 # ---- build configs -----------------------------------------------------------------------------------

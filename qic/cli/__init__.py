@@ -130,6 +130,15 @@ _LOAD_OPTIONS = [
 ]
 
 
+def _run_option_flags(fn):
+    """qic run's per-image flags, one per row of qic.host.options (default None: not given, so the row's or
+    the bundle's default applies where the request is made)."""
+    from qic.host.options import FLAG, given_at
+    for option in reversed(given_at(FLAG)):
+        fn = click.option(option.flag, option.name, type=option.kind, default=None, help=option.help)(fn)
+    return fn
+
+
 def _load_options(fn):
     for option in reversed(_LOAD_OPTIONS):
         fn = option(fn)
@@ -257,31 +266,12 @@ def inspect_command(bundle, verify):
 
 @main.command("run")
 @click.argument("bundle", type=click.Path())
-@click.option("--prompt", help="What to draw.")
-@click.option("--negative-prompt", default=None, help="What to steer away from (true CFG); default ' '.")
-@click.option("--steps", type=int, default=None, help="Denoising steps (default: the bundle's, else 20).")
-@click.option("--guidance", type=float, default=None,
-              help="True CFG scale; <= 1 turns CFG off (default: the bundle's, else 4.0).")
-@click.option("--seed", type=int, default=None, help="Noise seed (default 0).")
-@click.option("--height", type=int, help="Image height; one of the bundle's resolutions.")
-@click.option("--width", type=int, help="Image width; one of the bundle's resolutions.")
-@click.option("--aspect", help="Width:height, e.g. 16:9: the bundle's resolution of that aspect ratio.")
-@click.option("--output", "output", default=None, help="PNG file to write (default image.png).")
+@_run_option_flags
 @click.option("--prompts-file", type=click.Path(dir_okay=False),
               help="Resident mode: one prompt per line, or JSONL with per-line options.")
 @click.option("--interactive", is_flag=True, help="Resident mode: read prompts from the terminal.")
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks to launch (must equal the bundle's tp).")
 @_load_options
-@click.option("--cache-threshold", type=float, default=None,
-              help="Step caching: reuse the middle blocks' residual when the first blocks' changed by at most this "
-                   "(relative L1; 0: off). Needs a bundle built with --step-cache.")
-@click.option("--cache-warmup", type=int, default=None, help="Step caching: steps that always compute first.")
-@click.option("--cache-max-cached", type=int, default=None,
-              help="Step caching: most cached steps per branch (-1: any).")
-@click.option("--cache-max-continuous", type=int, default=None,
-              help="Step caching: most cached steps in a row per branch (-1: any).")
-@click.option("--cache-steps", default=None,
-              help="Step caching with a static mask: the steps that compute, e.g. 0-7,9,11,13 (no per-step read).")
 @click.option("--verbose", is_flag=True, help="Print a timing breakdown per image.")
 @_friendly
 def run_command(bundle, **options):

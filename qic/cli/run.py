@@ -9,14 +9,15 @@ from pathlib import Path
 
 from qic.errors import ConfigError
 from qic.host.cache_policy import computed_line
+from qic.host.options import BY_NAME, FLAG, LINE, given_at
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 from qic.runtime.png import save_png
 
-_OPTION_KEYS = ("prompt", "negative_prompt", "steps", "guidance", "seed", "height", "width", "aspect", "output",
-                "cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous", "cache_steps")
+_OPTION_KEYS = tuple(o.name for o in given_at(FLAG))   # qic.host.options: the per-image flags and line keys
+_LINE_KEYS = tuple(o.name for o in given_at(LINE))
 
 
 def run_cli(bundle_path: str, options: dict) -> None:
@@ -139,34 +140,15 @@ def _read_prompts(path: Path) -> list[dict]:
                 raise ConfigError(f"{path}:{n}: invalid JSON (nested too deeply)") from None
             if not isinstance(obj, dict):
                 raise ConfigError(f"{path}:{n}: a line starting with '{{' must be a JSON object")
-            unknown = sorted(set(obj) - set(_OPTION_KEYS))
+            unknown = sorted(set(obj) - set(_LINE_KEYS))
             if unknown or "prompt" not in obj:
                 raise ConfigError(f"{path}:{n}: " + (f"unknown key {unknown[0]!r}" if unknown else "no 'prompt'")
-                                  + f"; allowed keys: {', '.join(_OPTION_KEYS)}")
-            out.append(_typed(obj, f"{path}:{n}"))
+                                  + f"; allowed keys: {', '.join(_LINE_KEYS)}")
+            for key, value in obj.items():   # each by its row: "3" is not a seed, 3.5 not a step count, true not 1
+                BY_NAME[key].check(value, f"{path}:{n}")
+            out.append(obj)
         else:
             out.append({"prompt": line})
     if not out:
         raise ConfigError(f"{path}: no prompts in the file")
     return out
-
-
-# A JSONL line's option types, each with how an error names it: what the matching flag takes (click checks
-# the flags' own).
-_TYPES = {"prompt": (str, "a string"), "negative_prompt": ((str, type(None)), "a string or null"),
-          "steps": (int, "an integer"), "guidance": ((int, float), "a number"), "seed": (int, "an integer"),
-          "height": (int, "an integer"), "width": (int, "an integer"), "aspect": (str, "a string such as 16:9"),
-          "output": (str, "a file path (a string)"), "cache_threshold": ((int, float), "a number"),
-          "cache_warmup": (int, "an integer"), "cache_max_cached": (int, "an integer"),
-          "cache_max_continuous": (int, "an integer"), "cache_steps": (str, "steps like '0-7,9'")}
-
-
-def _typed(obj: dict, where: str) -> dict:
-    """The line's options, each of its flag's type ("3" is not a seed, 3.5 not a step count, true not 1)."""
-    for key, value in obj.items():
-        kind, name = _TYPES[key]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ConfigError(f"{where}: {key} {value!r} must be {name}")
-    if not obj["prompt"]:
-        raise ConfigError(f"{where}: prompt must be a non-empty string")
-    return obj

@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qic.errors import ConfigError
-
-FIELDS = ("cache_threshold", "cache_warmup", "cache_max_cached", "cache_max_continuous", "cache_steps")
+from qic.host.options import BY_NAME
 
 
 @dataclass(frozen=True)
@@ -87,22 +86,16 @@ def format_steps(steps) -> str:
 
 
 def settings_from(values: dict, source: str = "request") -> CacheSettings:
-    """CacheSettings from cache_* values (None: not given), each checked and named on error."""
-    def number(key, minimum, default, integer):
-        v = values.get(key)
-        if v is None:
-            return default
-        ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-        if not ok or isinstance(v, bool) or not v == v or v < minimum or v == float("inf"):
-            kind = "an integer" if integer else "a finite number"
-            raise ConfigError(f"{source}: {key} must be {kind} >= {minimum}, got {v!r}")
-        return int(v) if integer else float(v)
+    """CacheSettings from cache_* values (None: not given), each checked by its row (qic.host.options) and named
+    on error; cache_steps may be a list of step indices too (a build config's YAML)."""
+    def number(key, default):
+        v = BY_NAME[key].check(values.get(key), source)
+        return default if v is None else v
 
     steps = values.get("cache_steps")
-    return CacheSettings(threshold=number("cache_threshold", 0, 0.0, False),
-                         warmup=number("cache_warmup", 0, 0, True),
-                         max_cached=number("cache_max_cached", -1, -1, True),
-                         max_continuous=number("cache_max_continuous", -1, -1, True),
+    return CacheSettings(threshold=number("cache_threshold", 0.0), warmup=number("cache_warmup", 0),
+                         max_cached=number("cache_max_cached", -1),
+                         max_continuous=number("cache_max_continuous", -1),
                          steps=None if steps is None else parse_steps(steps, f"{source}: cache_steps"))
 
 

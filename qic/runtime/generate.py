@@ -9,15 +9,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from PIL import Image
 
 from qic.errors import ConfigError
 from qic.host.aspect import pick_resolution
-from qic.host.cache_policy import FIELDS as CACHE_FIELDS
 from qic.host.cache_policy import CacheSettings, settings_from
 from qic.host.latents import initial_noise
+from qic.host.options import CACHE_FIELDS, REQUEST_OPTIONS, request_class
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.parallel.mesh import gather_objects, group_done, share_from, wait_for_group
@@ -27,23 +26,12 @@ from qic.runtime.step_cache import cached_loop
 DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
 
 
-@dataclass
-class Request:
-    prompt: str
-    negative_prompt: str | None = " "   # None: no negative prompt, so no CFG (as in diffusers)
-    steps: int | None = None            # None: the bundle's run default (else DEFAULT_STEPS)
-    guidance: float | None = None       # None: the bundle's run default (else DEFAULT_GUIDANCE)
-    seed: int = 0
-    height: int | None = None
-    width: int | None = None
-    aspect: str | None = None           # 'W:H': the bundle's resolution of that aspect ratio
-    # Step caching (qic/runtime/step_cache.py); None: the bundle's run default (else off)
-    cache_threshold: float | None = None
-    cache_warmup: int | None = None
-    cache_max_cached: int | None = None
-    cache_max_continuous: int | None = None
-    cache_steps: str | list | None = None
-    cache: CacheSettings | None = field(default=None, init=False, repr=False)   # resolved by validate()
+# What one image asks for: qic.host.options' rows (prompt, negative_prompt, steps, guidance, seed, height, width,
+# aspect, the step-caching settings), then what validate() resolves.
+Request = request_class("Request", __name__, [
+    ("cache", CacheSettings | None, field(default=None, init=False, repr=False)),   # step caching, resolved
+], "One image's run options (qic.host.options: a row each; None: not given, then the bundle's run default, "
+   "else the runtime's). Everything after the prompt is keyword-only.")
 
 
 @dataclass
@@ -59,29 +47,16 @@ class Result:
 
 
 def validate(req: Request, bundle: Bundle) -> Request:
-    if not isinstance(req.prompt, str) or not req.prompt:
-        raise ConfigError("prompt must be a non-empty string")
+    """Each option checked by its row (qic.host.options), the bundle's run defaults filled in, the resolution
+    and step caching checked against the bundle."""
     defaults = bundle.defaults
     if req.steps is None:
         req.steps = defaults.get("steps", DEFAULT_STEPS)
     if req.guidance is None:
         req.guidance = defaults.get("guidance", DEFAULT_GUIDANCE)
-    if not isinstance(req.steps, int) or isinstance(req.steps, bool) or req.steps < 1:
-        raise ConfigError(f"steps must be a positive integer, got {req.steps!r}")
-    if (not isinstance(req.guidance, (int, float)) or isinstance(req.guidance, bool) or not np.isfinite(req.guidance)
-            or req.guidance < 0):
-        raise ConfigError(f"guidance must be a finite number >= 0, got {req.guidance!r}")
-    req.guidance = float(req.guidance)   # 4 and 4.0 are one setting (and write one PNG)
-    # torch's generator takes 64 bits; the HTTP API's bound (< 2**63) is kept here too, so that the same seed
-    # is accepted, or refused, by `qic run` and `qic serve` alike.
-    if not isinstance(req.seed, int) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**63:
-        raise ConfigError(f"seed must be an integer in [0, 2**63), got {req.seed!r}")
-    if req.negative_prompt is not None and not isinstance(req.negative_prompt, str):
-        raise ConfigError(f"negative_prompt must be a string or none, got {req.negative_prompt!r}")
-    for name in ("height", "width"):
-        value = getattr(req, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
+    for option in REQUEST_OPTIONS:   # 4 and 4.0 are one guidance (and write one PNG): float options give floats
+        if option.name not in CACHE_FIELDS:   # step caching's: settings_from below, the bundle's defaults included
+            setattr(req, option.name, option.check(getattr(req, option.name)))
     if req.aspect is not None:
         if req.height is not None or req.width is not None:
             raise ConfigError("give --aspect or --height/--width, not both")

@@ -13,11 +13,11 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
 from qic.errors import QicError
-from qic.host.cache_policy import FIELDS as CACHE_FIELDS
+from qic.host.options import HTTP, given_at
 from qic.runtime.generate import Request as GenRequest
 from qic.runtime.png import step_cache_of
 from qic.serve.queue import QueueFull, Scheduler, Unavailable
@@ -26,28 +26,36 @@ from qic.serve.settings import Settings
 access_log = logging.getLogger("qic.serve.access")
 
 
-class ImageRequest(BaseModel):
-    """POST /v1/images/generations. Strict types: "2" is not a number. Unknown keys are refused."""
+class _OpenAIFields(BaseModel):
+    """POST /v1/images/generations: the OpenAI images API's fields. Strict types: "2" is not a number. Unknown
+    keys are refused."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    prompt: str = Field(min_length=1)
     n: int = Field(1, ge=1)
     size: str = "auto"
     response_format: Literal["b64_json"] = "b64_json"
     model: str | None = None
     user: str | None = None
-    # qic's extensions; defaults are `qic run`'s so the same settings give the same image. Steps and
-    # guidance left out stay None: the runtime's `validate` fills in the bundle's run defaults (else 20 / 4),
-    # as it does for `qic run` without flags.
-    seed: int = Field(0, ge=0, lt=2**63)
-    steps: int | None = Field(None, ge=1, le=1000)
-    guidance: float | None = Field(None, ge=0, allow_inf_nan=False)
-    negative_prompt: str | None = " "
-    # Step caching (a bundle built with step_cache): as qic run's --cache-* flags; None: the bundle's default.
-    cache_threshold: float | None = Field(None, ge=0, allow_inf_nan=False)
-    cache_warmup: int | None = Field(None, ge=0)
-    cache_max_cached: int | None = Field(None, ge=-1)
-    cache_max_continuous: int | None = Field(None, ge=-1)
-    cache_steps: str | None = None
+
+
+def _field(option):
+    """A request field from a run option's row (qic.host.options): its type, range and default are `qic run`'s,
+    so the same settings give the same image. Steps and guidance left out stay None: the runtime's `validate`
+    fills in the bundle's run defaults (else 20 / 4), as it does for `qic run` without flags."""
+    optional = option.nullable or (option.default is None and not option.required)
+    kind = option.kind | None if optional else option.kind
+    bounds = {"ge": option.minimum, "lt": option.below}
+    if option.kind is str:
+        bounds = {"min_length": int(option.minimum or 0)}
+    elif option.kind is float:
+        bounds["allow_inf_nan"] = False
+    default = ... if option.required else option.default
+    return kind, Field(default, **{k: v for k, v in bounds.items() if v is not None})
+
+
+# qic's extensions: every run option a request may carry (where HTTP is listed in its row), with its row's checks.
+ImageRequest = create_model("ImageRequest", __base__=_OpenAIFields,
+                            **{o.name: _field(o) for o in given_at(HTTP)})
+_REQUEST_FIELDS = tuple(o.name for o in given_at(HTTP) if o.request)
 
 
 class ApiError(Exception):
@@ -223,8 +231,8 @@ def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
                             "(WIDTHxHEIGHT) or auto", "size")
     items = []
     for i in range(body.n):
-        req = GenRequest(body.prompt, body.negative_prompt, body.steps, body.guidance, body.seed + i, height, width,
-                         **{k: getattr(body, k) for k in CACHE_FIELDS})
+        req = GenRequest(**{k: getattr(body, k) for k in _REQUEST_FIELDS} | dict(seed=body.seed + i, height=height,
+                                                                                  width=width))
         try:
             key = runner.plan(req)
         except QicError as e:
