@@ -155,3 +155,10 @@ def test_make_test_runs_the_lint_first():
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest:")[1].split("\n\n")[0]
     assert "ruff check ." in recipe and recipe.index("ruff check") < recipe.index("pytest"), recipe
+
+
+# ---- issue 19's finding 11: no test hooks in production code ---------------------------------------------
+
+def test_qic_reads_no_test_hooks_from_the_environment():
+    found = subprocess.run(["grep", "-rn", "QIC_TEST", str(ROOT / "qic")], capture_output=True, text=True).stdout
+    assert found == "", found
