@@ -1,5 +1,5 @@
 """qic/fsutil.py: the inter-process lock really excludes, leftovers of dead writers are swept (only this host's
-by pid), and a replaced directory is never missing."""
+by pid), a replaced directory is never missing, and an atomic write that fails (disk full) leaves nothing."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The house rules of qic's layout, checked on the source itself: no folder named like build output, lint
-over every file, no import cycle (imports inside functions included), and no module outside a back end's
-own package that branches on a back end's name."""
+over every file, no import cycle (imports inside functions included), no module outside a back end's
+own package that branches on a back end's name, and no test hook read from the environment."""
 
 from __future__ import annotations
 

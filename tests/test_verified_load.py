@@ -1,4 +1,5 @@
-"""Issue 11: verified loading that scales — weight files hashed once, then trusted while unchanged.
+"""Issue 11: verified loading that scales — weight files hashed once, then trusted while unchanged (another
+bundle's, given as --weights, too).
 
 The big bundle is the session's tiny bundle with a 1 GiB tensor appended to its denoiser shard. The
 tensor is a hole in a sparse file (no disk, no write time), but hashing it still reads 1 GiB through
