@@ -149,3 +149,14 @@ def outputs_on_collective_buffers(package) -> list[str]:
             touched |= {root(b) for b in re.findall(r"\b(\w*buf\d+)\b", line)}
     return [f"output {i} = {b}" for i, b in re.findall(r"output_handles\[(\d+)\] = (\w*buf\d+)", src)
             if root(b) in touched]
+
+
+def one_line_refusal(proc, *needles):
+    """A refused CLI call as qic's one error path makes it (issue 19's finding 10): exit 2, no traceback, one
+    `error:` line (any further lines are `fix:` hints), naming each of `needles`."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and all(x.startswith("  fix: ") for x in lines[1:]), proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from qic.manifest import read_manifest, verify_files
 from qic.models.looped import unstack_block_weights
+from qic.spec import load_spec
 from tests.conftest import BUCKETS, FAULTY_QIC, QIC, ROOT, SECOND_RES, TINY_RES, qic
 from tests.helpers import rewritten_bundle
 
@@ -357,3 +358,44 @@ def test_neuron_backend_without_torch_xla_is_a_clear_error(tmp_path, tiny_ckpt):
     line = _fails(tmp_path, "--model", tiny_ckpt, "--backend", "neuron", expect="torch-xla")
     assert "make xla-env" in qic("build", "--cache-dir", tmp_path / "cache", "--output", tmp_path / "out",
                                  "--model", tiny_ckpt, "--backend", "neuron", check=False).stderr, line
+
+
+# ---- issue 19's finding 15: concurrent builds to one output ----------------------------------------------
+
+def test_concurrent_builds_to_one_output_take_turns(tmp_path, tiny_ckpt, cache_dir, monkeypatch):
+    """Both builds are held at the up-to-date check until both are there (or 3 s pass): unserialised, both
+    would find the output missing and both swap (one failing, or writing twice); serialised, the second
+    finds the first's bundle up to date."""
+    import threading
+
+    from qic.builder import bundle as bundle_stage
+    from qic.builder.pipeline import build
+    gate = threading.Barrier(2, timeout=3)
+    real = bundle_stage._up_to_date
+
+    def meet_then_check(out, key):
+        try:
+            gate.wait()
+        except threading.BrokenBarrierError:
+            pass   # the other build is not there: it holds the lock, or has finished
+        return real(out, key)
+    monkeypatch.setattr(bundle_stage, "_up_to_date", meet_then_check)
+    spec = load_spec(None, {"model": str(tiny_ckpt), "cache_dir": str(cache_dir), "output": str(tmp_path / "out"),
+                            "components": "vae_decoder", "resolutions": ["16x16"]})
+    from qic.spec import with_changes
+    build(with_changes(spec, output=str(tmp_path / "first")))   # graphs memoised: the threads export nothing
+    results, errors = [], []   # (torch.export is not thread-safe; the bundle stage is what is under test)
+
+    def one():
+        try:
+            results.append(build(spec).up_to_date)
+        except Exception as e:   # noqa: BLE001 - the test reports whatever a build raised
+            errors.append(e)
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and sorted(results) == [False, True], (results, errors)
+    from qic.manifest import read_manifest, verify_files
+    verify_files(tmp_path / "out", read_manifest(tmp_path / "out"), full=True)

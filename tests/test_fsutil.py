@@ -1,8 +1,9 @@
 """qic/fsutil.py: the inter-process lock really excludes, leftovers of dead writers are swept (only this host's
-by pid), and a replaced directory is never missing."""
+by pid), a replaced directory is never missing, and an atomic write that fails (disk full) leaves nothing."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -162,3 +163,14 @@ def test_a_lock_file_unlinked_by_its_holder_is_not_held_twice(tmp_path):
     assert not FileLock(path, shared=True).acquire(blocking=False)
     waiter.release()
     assert FileLock(path, shared=True).acquire(blocking=False)
+
+
+def test_disk_full_while_writing_leaves_nothing_half_written(tmp_path, monkeypatch):
+    from qic import fsutil
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(fsutil.os, "fsync", full)
+    with pytest.raises(OSError):
+        fsutil.write_bytes_atomic(tmp_path / "out.png", b"x" * 1000)
+    assert list(tmp_path.iterdir()) == []

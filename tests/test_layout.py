@@ -1,6 +1,6 @@
 """The house rules of qic's layout, checked on the source itself: no folder named like build output, lint
-over every file, no import cycle (imports inside functions included), and no module outside a back end's
-own package that branches on a back end's name."""
+over every file, no import cycle (imports inside functions included), no module outside a back end's
+own package that branches on a back end's name, and no test hook read from the environment."""
 
 from __future__ import annotations
 
@@ -155,3 +155,10 @@ def test_make_test_runs_the_lint_first():
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest:")[1].split("\n\n")[0]
     assert "ruff check ." in recipe and recipe.index("ruff check") < recipe.index("pytest"), recipe
+
+
+# ---- issue 19's finding 11: no test hooks in production code ---------------------------------------------
+
+def test_qic_reads_no_test_hooks_from_the_environment():
+    found = subprocess.run(["grep", "-rn", "QIC_TEST", str(ROOT / "qic")], capture_output=True, text=True).stdout
+    assert found == "", found

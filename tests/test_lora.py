@@ -15,7 +15,7 @@ from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from tests.conftest import BUCKETS, TINY_RES, image_diff, qic
 from tests.helpers import rewritten_bundle
-from tests.test_variants import BOUND_MAX, BOUND_MEAN
+from tests.test_nocfg import BOUND_MAX, BOUND_MEAN
 
 RANK, ALPHA, SCALE, STEPS = 4, 6.0, 0.7, 2    # alpha / rank = 1.5 and scale 0.7: neither factor is 1
 # Linear layers of the tiny denoiser: top-level, attention (both streams), MLP and modulation.

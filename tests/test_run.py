@@ -14,6 +14,7 @@ from qic.manifest import bundle_id
 from qic.runtime.bundle import Bundle
 from qic.runtime.generate import Request, generate
 from tests.conftest import BUCKETS, ROOT, SECOND_RES, TINY_RES, diffusers_image, image_diff, qic
+from tests.helpers import one_line_refusal as _one_line_refusal
 
 # Max-abs in 0..255 pixel units. The fp32 pipelines agree to ~1e-5 relative (summation order), far
 # below one level (1/255 of the [-1, 1] range / 2 = 2e-3), so a pixel differs only where a value sits
@@ -230,3 +231,33 @@ def test_prompt_longer_than_largest_bucket(bundle):
                                          (("--guidance", "nan"), "guidance"), (("--guidance", "-1"), "guidance")])
 def test_invalid_steps_or_guidance(bundle, args, expect):
     _run_fails(bundle, "--prompt", "x", *args, expect=expect)
+
+
+@pytest.mark.parametrize("line,needle", [('{"prompt": "a", "seed": "3"}', "seed '3'"),
+                                         ('{"prompt": "a", "seed": 3.5}', "seed 3.5"),
+                                         ('{"prompt": "a", "steps": true}', "steps True"),
+                                         ('{"prompt": 5}', "prompt 5"), ('{"prompt": [1]}', "prompt [1]"),
+                                         ('{"prompt": "a", "guidance": "4"}', "guidance")])
+def test_bad_prompts_file_lines_are_one_line_naming_file_and_line(bundle, tmp_path, line, needle):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(f"a cat\n{line}\n")
+    proc = qic("run", bundle, "--prompts-file", prompts, check=False)
+    _one_line_refusal(proc, f"{prompts}:2:", needle)
+
+
+def test_a_prompts_file_that_is_not_utf8_is_one_line(bundle, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"a cat\n\xff\xfe dog\n")
+    _one_line_refusal(qic("run", bundle, "--prompts-file", prompts, check=False), "not UTF-8")
+
+
+def test_interactive_under_torchrun_is_refused(bundle):
+    proc = qic("run", bundle, "--interactive", check=False,
+               env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    _one_line_refusal(proc, "--interactive", "torchrun")
+
+
+def test_a_negative_seed_is_refused_by_run_as_by_serve(bundle, tmp_path):
+    proc = qic("run", bundle, "--prompt", "x", "--seed", "-1", "--output", tmp_path / "x.png", check=False)
+    _one_line_refusal(proc, "seed must be an integer in [0, 2**63)")
+    assert not (tmp_path / "x.png").exists()

@@ -331,7 +331,7 @@ def test_int_guidance_gives_the_png_bytes_of_qic_run(server, bundle, tmp_path):
 @pytest.fixture(scope="module")
 def nocfg_bundle(bundle, workdir, cache_dir, tiny_ckpt):
     """A Lightning-style bundle: run defaults of 8 steps and guidance 1 (an int, as a config writes it),
-    only the no-CFG step graph. Bucket 72 like tests/test_variants.py's, so one of the two compiles it."""
+    only the no-CFG step graph. Bucket 72 like tests/test_nocfg.py's, so one of the two compiles it."""
     config = workdir / "serve-nocfg.yaml"
     config.write_text(json.dumps({
         "model": str(tiny_ckpt), "resolutions": ["{}x{}".format(*TINY_RES)], "text_buckets": BUCKETS[0],

@@ -1,4 +1,5 @@
-"""Issue 11: verified loading that scales — weight files hashed once, then trusted while unchanged.
+"""Issue 11: verified loading that scales — weight files hashed once, then trusted while unchanged (another
+bundle's, given as --weights, too).
 
 The big bundle is the session's tiny bundle with a 1 GiB tensor appended to its denoiser shard. The
 tensor is a hole in a sparse file (no disk, no write time), but hashing it still reads 1 GiB through
@@ -213,3 +214,20 @@ def test_records_that_can_no_longer_match_are_swept(tmp_path):
     cache2.record("id", edited.name, "sha2", edited, edited_st, time.time_ns() + 2 * RACY_NS)
     assert cache2.has("id", edited.name, "sha2", edited_st)
     assert len([p for p in cache.directory.iterdir() if len(p.name) == 64]) == 1
+
+
+# ---- issue 19's finding 8: --weights uses the verification records ---------------------------------------
+
+def test_weights_from_another_bundle_are_not_rehashed_on_every_load(bundle, bundle_two_res, monkeypatch):
+    from qic import manifest as manifest_module
+    from qic.runtime.bundle import Bundle
+    other = bundle_two_res[0]
+    Bundle(bundle, weights_from=other)   # the first load hashes (and records) the other's weights
+    hashed = []
+    real = manifest_module.sha256_file
+    monkeypatch.setattr(manifest_module, "sha256_file", lambda p, *a: hashed.append(p) or real(p, *a))
+    Bundle(bundle, weights_from=other)
+    assert not [p for p in hashed if str(p).startswith(str(other)) and "/weights/" in str(p)], hashed
+    hashed.clear()
+    Bundle(bundle, weights_from=other, verify_all=True)   # --verify-all still re-hashes them
+    assert [p for p in hashed if str(p).startswith(str(other)) and "/weights/" in str(p)]

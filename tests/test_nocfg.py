@@ -1,5 +1,6 @@
-"""Issue 10: one set of graphs, many weights and settings: the no-CFG step, run defaults, scheduler overrides,
-aspect presets at run time."""
+"""Issue 10's no-CFG step graph (guidance 1, as Lightning runs), on a Lightning bundle of the session bundle's
+checkpoint: built only as new work, run by guidance 1 against diffusers with the overridden schedule, one
+transformer call a step; and that bundle's run defaults and an aspect preset through `qic run`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,16 @@
-"""Issue 10, build config: text buckets as users read them, resolution presets, scheduler overrides."""
+"""The build config (qic/spec.py): every key parses by its type and a wrong one is refused naming key, value,
+file and line (issue 19's finding 2); text buckets as users read them, resolution presets, scheduler
+overrides (issue 10)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from qic.errors import ConfigError
-from qic.spec import MAX_TEXT_BUCKET, load_spec, parse_spec
+from qic.spec import MAX_TEXT_BUCKET, BuildSpec, load_spec, parse_spec
 
 
 def _spec(tmp_path, yaml_text="", **flags):
@@ -134,3 +137,73 @@ def test_the_default_build_needs_no_config_file_and_is_configs_shapes_yaml(tmp_p
     assert load_spec().resolutions == ((128, 128), (96, 160), (160, 96))
     tiny = load_spec(configs / "tiny.yaml")
     assert tiny.model == "embedded:tiny" and tiny.resolutions == ((48, 80),) and tiny.output == "artifacts/tiny"
+
+
+# ---- issue 19's finding 2: every key parses by type ------------------------------------------------------
+
+_FIELDS = {f.name: f.type for f in dataclasses.fields(BuildSpec)}
+# Wrong-typed values per kind of key, as YAML gives them: strings where booleans go ("false" is truthy),
+# a bare number where a list goes, floats and booleans where integers go (True == 1 in Python).
+_WRONG = {"bool": ['"false"', '"true"', "1", "0", "null", "[true]"],
+          "list": ["5", "true", "{a: 1}"],
+          "int list": ["2.5", "[72.5]", "true", "[true]", '"x"', "{a: 1}"],   # one integer is the one-item list
+          "int": ['"2"', "2.5", "true", "[1]"],
+          "str": ["5", "[a]", "true"]}
+_LIST_KEYS = ("resolutions", "components", "cache_public_keys", "loras")
+_INT_LIST_KEYS = ("text_buckets", "batch_sizes")
+_INT_KEYS = ("tp", "lnc", "text_bucket_step", "ulysses")
+_STR_KEYS = ("output", "cache_dir", "model", "cache_from", "cpu_target")
+
+
+def _kind(key: str) -> str | None:
+    if _FIELDS.get(key) == "bool":
+        return "bool"
+    kinds = (("list", _LIST_KEYS), ("int list", _INT_LIST_KEYS), ("int", _INT_KEYS), ("str", _STR_KEYS))
+    return next((k for k, keys in kinds if key in keys), None)
+
+
+def test_the_table_covers_every_boolean_key_of_the_spec():
+    # Derived from the dataclass, so a new boolean key is in the table below without anyone adding it.
+    assert {k for k, t in _FIELDS.items() if t == "bool"} == {"full_hash", "xla_check", "cache_trusted", "cfg_parallel"}
+
+
+@pytest.mark.parametrize("key,value", [(k, v) for k in [*_FIELDS, "text_bucket_step"] if _kind(k)
+                                       for v in _WRONG[_kind(k)]])
+def test_a_wrongly_typed_value_is_refused_naming_key_value_file_and_line(tmp_path, key, value):
+    cfg = tmp_path / "build.yaml"
+    cfg.write_text(f"backend: inductor\n{key}: {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_spec(cfg)
+    assert f"{cfg}:2:" in e.value.message and key in e.value.message, e.value.message
+
+
+def test_cache_trusted_string_false_does_not_trust(tmp_path):
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text('cache_from: /somewhere\ncache_trusted: "false"\n')
+    with pytest.raises(ConfigError, match=r"b.yaml:2: cache_trusted must be true or false, got 'false'"):
+        load_spec(cfg)
+    assert load_spec(None, {"cache_trusted": True}).cache_trusted is True   # the flag's form still works
+
+
+def test_right_types_still_parse_and_flags_keep_their_comma_form():
+    spec = parse_spec({"full_hash": True, "xla_check": False, "components": "denoiser,vae_decoder",
+                       "text_buckets": "72,128", "batch_sizes": "1,2", "tp": 2, "lnc": 2, "output": "o"})
+    assert (spec.full_hash, spec.xla_check, spec.components, spec.text_buckets, spec.batch_sizes) == \
+        (True, False, ("denoiser", "vae_decoder"), (72, 128), (1, 2))
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"text_buckets": [72.5]}, "text_buckets"), ({"output": None}, "output"), ({"components": 5}, "components"),
+    ({"resolutions": 512}, "resolutions"), ({"scheduler": {"shift": float("nan")}}, "scheduler.shift"),
+    ({"loras": [{"file": "x", "scale": float("inf")}]}, "LoRA scale"), ({"lnc": True}, "lnc"),
+    ({"text_buckets": [10**30]}, "text_buckets")])
+def test_values_that_were_silently_bent_are_refused(raw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_spec(raw)
+
+
+def test_yaml_errors_keep_their_line(tmp_path):
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text("tp: 1\nresolutions: [48x80\ncomponents: [vae_decoder]\n")
+    with pytest.raises(ConfigError, match=r"b.yaml:3: not valid YAML"):
+        load_spec(cfg)
