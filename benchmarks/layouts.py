@@ -39,8 +39,8 @@ def _step(spec: dict, layout, rank: int):
     coordinates."""
     from safetensors.torch import load_file
 
-    from qic.builder.components import COMPONENTS
     from qic.builder.graphs import make_graph
+    from qic.builder.qwen_image import COMPONENTS
     from qic.checkpoint import presets
     from qic.models.mmdit import MMDiTConfig, QwenMMDiT
     from qic.parallel.mesh import RANK_INPUTS

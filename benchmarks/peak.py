@@ -44,8 +44,8 @@ def _measure_here(preset_name: str, component: str, shape: dict) -> dict:
 
     import torch
 
-    from qic.builder.components import COMPONENTS
     from qic.builder.jobs import make_graph
+    from qic.builder.qwen_image import COMPONENTS
     from qic.checkpoint.presets import preset
 
     torch.set_num_threads(1)

@@ -297,7 +297,7 @@ def child_main(spec: dict, result_path: str) -> None:
         fn = _copy if kind == "copy" else _pread_stream
         work = lambda: fn(spec["files"], out_dir)  # noqa: E731
     else:
-        from qic.builder.components import COMPONENTS
+        from qic.builder.qwen_image import COMPONENTS
         from qic.builder.shard import shard_component
         from qic.checkpoint.reader import Checkpoint
 

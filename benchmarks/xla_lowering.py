@@ -23,8 +23,8 @@ import torch
 
 from qic.backends.neuron import hlo_proto
 from qic.backends.neuron import lower as xl
-from qic.builder.components import COMPONENTS
 from qic.builder.graphs import denoiser_graph, make_graph, text_encoder_graph, vae_decoder_graph
+from qic.builder.qwen_image import COMPONENTS
 from qic.checkpoint import presets
 from qic.models.looped import stack_block_weights
 from qic.parallel.mesh import Layout

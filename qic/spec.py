@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from qic import backends
+from qic import backends, family
 from qic.checkpoint.presets import default_resolutions
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
@@ -23,7 +23,6 @@ from qic.host.options import DEFAULT_KEYS, check_all
 from qic.host.schedule import check_overrides
 
 BACKENDS = backends.NAMES
-COMPONENTS = ("text_encoder", "denoiser", "vae_decoder")
 DTYPES = tuple(TORCH_DTYPES)
 LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
@@ -39,17 +38,18 @@ class BuildSpec:
     backend: str = backends.NAMES[0]
     device: str = "cpu"
     tp: int = 1
-    dtype: tuple[tuple[str, str], ...] = tuple((c, "float32") for c in COMPONENTS)
+    # Per component, in the family's order (qic.family: its definitions are read when a spec is made).
+    dtype: tuple[tuple[str, str], ...] = field(default_factory=lambda: tuple((c, "float32") for c in family.names()))
     # (height, width); when not given, the model's own: the trained default's three, else 48x80
     resolutions: tuple[tuple[int, int], ...] = default_resolutions(None)
     text_buckets: tuple[int, ...] = (128,)         # text-encoder lengths, template included; (0,) = exact length
-    components: tuple[str, ...] = COMPONENTS
+    components: tuple[str, ...] = field(default_factory=family.names)
     output: str = "artifacts/shapes"
     cache_dir: str = "artifacts/cache"
     # Looped (one compiled block over stacked weights) is the default: with inductor it compiled in 0.59x
     # the time at 4 blocks (0.31x at 16, flat with depth) and ran at 0.95-0.97x the step time of
     # unrolled (docs/benchmarks.md). Components without blocks (the VAE) ignore it.
-    layers: tuple[tuple[str, str], ...] = tuple((c, "looped") for c in COMPONENTS)
+    layers: tuple[tuple[str, str], ...] = field(default_factory=lambda: tuple((c, "looped") for c in family.names()))
     full_hash: bool = False                        # hash checkpoint contents instead of trusting stat/blob ids
     # Merged over the checkpoint's scheduler_config.json (e.g. the Lightning recipe's shifts).
     scheduler: tuple[tuple[str, object], ...] = ()
@@ -178,9 +178,10 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         targets = "; ".join(f"{n}: {' or '.join(backends.info(n).DEVICES)}" for n in BACKENDS)
         raise ConfigError(f"{at('device')}: backend {backend!r} cannot target device {device!r} ({targets})")
     tp = _positive_int(raw.get("tp", d.tp), "tp", at("tp"))
-    components = _str_list(raw.get("components", list(COMPONENTS)), "components", at("components"))
+    known = family.names()
+    components = _str_list(raw.get("components", list(known)), "components", at("components"))
     for c in components:
-        _choice(c, COMPONENTS, "components", at("components"))
+        _choice(c, known, "components", at("components"))
     model = _optional_str(raw.get("model", d.model), "model", at("model"))
     resolutions = default_resolutions(model)
     spec = BuildSpec(
@@ -192,7 +193,7 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
             raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
         text_buckets=(buckets := _buckets(raw, at)),
-        components=tuple(c for c in COMPONENTS if c in components),
+        components=tuple(c for c in known if c in components),
         output=_path(raw.get("output", d.output), "output", at("output")),
         cache_dir=_path(raw.get("cache_dir", d.cache_dir), "cache_dir", at("cache_dir")),
         layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", at("layers")),
@@ -369,7 +370,7 @@ def _defaults(value, source: str) -> tuple:
 def _compiler_args(value, source: str) -> tuple[tuple[str, str], ...]:
     """compiler_args: {component: "flags"} (neuron back end only)."""
     for comp, flags in value.items():
-        _choice(comp, COMPONENTS, "compiler_args component", source)
+        _choice(comp, family.names(), "compiler_args component", source)
         if not isinstance(flags, str):
             raise ConfigError(f"{source}: compiler_args.{comp} must be a string of flags, got {flags!r}")
     return tuple(sorted(value.items()))
@@ -474,13 +475,14 @@ def _choice(value, allowed, key, source):
 
 def _per_component(value, allowed, key, source) -> tuple[tuple[str, str], ...]:
     """One value for every component, or a mapping component -> value (others keep the default)."""
+    known = family.names()
     if isinstance(value, Mapping):
         for comp in value:
-            _choice(comp, COMPONENTS, f"{key} component", source)
+            _choice(comp, known, f"{key} component", source)
         default = allowed[0]
-        return tuple((c, _choice(value.get(c, default), allowed, f"{key}.{c}", source)) for c in COMPONENTS)
+        return tuple((c, _choice(value.get(c, default), allowed, f"{key}.{c}", source)) for c in known)
     _choice(value, allowed, key, source)
-    return tuple((c, value) for c in COMPONENTS)
+    return tuple((c, value) for c in known)
 
 
 def with_changes(spec: BuildSpec, **changes) -> BuildSpec:

@@ -179,8 +179,8 @@ def test_lowered_layout_on_xla_cpu_and_plan_bytes(layout):
     max-abs over the prediction's largest magnitude; every rank fed rank 0's coordinates (each gather collecting
     one rank's piece) is a hundred times off; and the bytes of every collective kind equal `qic plan`'s count
     from fake tensors."""
-    from qic.builder.components import COMPONENTS
     from qic.builder.memplan import step_traffic
+    from qic.builder.qwen_image import COMPONENTS
     from qic.checkpoint import presets
     from tests.helpers import mmdit_bound
     proc = xla("-m", "benchmarks.xla_lowering", "layout", layout.tp, layout.ulysses, layout.cfg,

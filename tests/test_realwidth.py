@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from benchmarks.realwidth import CONFIGS, reduced_configs
-from qic.builder.components import COMPONENTS, expected_tensors
+from qic.builder.components import expected_tensors
+from qic.builder.qwen_image import COMPONENTS
 from qic.checkpoint import embedded
 
 

@@ -233,11 +233,16 @@ def test_invalid_steps_or_guidance(bundle, args, expect):
     _run_fails(bundle, "--prompt", "x", *args, expect=expect)
 
 
-@pytest.mark.parametrize("line,needle", [('{"prompt": "a", "seed": "3"}', "seed '3'"),
-                                         ('{"prompt": "a", "seed": 3.5}', "seed 3.5"),
-                                         ('{"prompt": "a", "steps": true}', "steps True"),
-                                         ('{"prompt": 5}', "prompt 5"), ('{"prompt": [1]}', "prompt [1]"),
-                                         ('{"prompt": "a", "guidance": "4"}', "guidance")])
+_SEED, _STEPS = "seed must be an integer in [0, 2**63), got", "steps must be an integer in [1, 1001), got"
+
+
+@pytest.mark.parametrize("line,needle", [('{"prompt": "a", "seed": "3"}', f"{_SEED} '3'"),
+                                         ('{"prompt": "a", "seed": 3.5}', f"{_SEED} 3.5"),
+                                         ('{"prompt": "a", "steps": true}', f"{_STEPS} True"),
+                                         ('{"prompt": 5}', "prompt must be a non-empty string, got 5"),
+                                         ('{"prompt": [1]}', "prompt must be a non-empty string, got [1]"),
+                                         ('{"prompt": "a", "guidance": "4"}', "guidance must be a finite number >= 0, "
+                                                                              "got '4'")])
 def test_bad_prompts_file_lines_are_one_line_naming_file_and_line(bundle, tmp_path, line, needle):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(f"a cat\n{line}\n")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from qic.builder.components import COMPONENTS
+from qic.builder.qwen_image import COMPONENTS
 from qic.builder.shard import shard_component
 from qic.checkpoint.presets import TOKENIZER_VOCAB, preset
 from qic.checkpoint.reader import Checkpoint
@@ -629,7 +629,7 @@ def test_helpers_refuse_bad_use():
         T.apply_tp(torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="rank 2 of tp 2"):
         T.shard_state_dict("denoiser", {}, 2, 2)
-    with pytest.raises(ConfigError, match="no TP plan"):
+    with pytest.raises(ConfigError, match="unknown component .unet.; known: text_encoder, denoiser, vae_decoder"):
         T.shard_state_dict("unet", {}, 0, 2)
     w = {"transformer_blocks.0.attn.to_q.weight": torch.zeros(6, 4)}
     with pytest.raises(ConfigError, match="not divisible by tp 4"):

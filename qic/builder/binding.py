@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from qic import family
 from qic.builder.compile import compile_graph
-from qic.builder.components import COMPONENTS, expected_tensors
+from qic.builder.components import expected_tensors
 from qic.builder.context import Context, looped, tp_of
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
@@ -19,7 +20,7 @@ from qic.weights import mmap_safetensors
 
 def shard_shapes(ctx: Context, component: str) -> dict[str, tuple[int, ...]]:
     """Names and shapes of one rank's weight shard: exactly the module's state dict (loaded strictly)."""
-    return expected_tensors(COMPONENTS[component], ctx.configs[component], tp_of(component, ctx.spec.tp),
+    return expected_tensors(family.component(component), ctx.configs[component], tp_of(component, ctx.spec.tp),
                             looped=looped(ctx.spec, component))
 
 
@@ -35,9 +36,9 @@ def bound_module(ctx: Context, component: str, weights_path: Path | None) -> tor
     """The eager module with memory-mapped shard tensors assigned (no copy, nothing touched), or with
     uninitialised stand-ins of the shard's shapes and dtype when there are no weights (torch.empty
     only reserves address space until written, and compiling never reads weight values)."""
-    comp = COMPONENTS[component]
+    comp = family.component(component)
     tp = tp_of(component, ctx.spec.tp)
-    dtype = TORCH_DTYPES[comp.fixed_dtype or ctx.spec.dtype_of(component)]
+    dtype = TORCH_DTYPES[comp.run_dtype(ctx.spec.dtype_of(component))]
     with torch.device("meta"):
         module = comp.make_module(ctx.configs[component], tp_size=tp, looped=looped(ctx.spec, component))
     if weights_path is not None:

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qic.builder.components import COMPONENTS, expected_tensors
+from qic import family
+from qic.builder.components import expected_tensors
 from qic.builder.lora import load_lora
 from qic.builder.source import resolve_model
-from qic.checkpoint.reader import FOLDERS
 from qic.errors import ConfigError, warn
 from qic.host.latents import check_resolution
 from qic.host.prompt import DROP_TOKENS, TEMPLATE
 from qic.host.schedule import check_scheduler_config, merge_scheduler
-from qic.parallel.plans import PLANS
 from qic.spec import BuildSpec
 from qic.tokenizer import load_tokenizer
 
@@ -30,9 +29,9 @@ class Context:
         self.cache = Path(spec.cache_dir)
         self.output = Path(spec.output)
         self.ckpt = resolve_model(spec.model, self.cache, configs_only=configs_only)
-        self.raw = {f: self.ckpt.config(f) for f in FOLDERS}
+        self.raw = {f: self.ckpt.config(f) for f in family.folders()}
         self.scheduler = merge_scheduler(self.ckpt.config("scheduler"), dict(spec.scheduler))
-        self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in COMPONENTS.items()}
+        self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in family.components().items()}
         has_tokenizer = self.ckpt.tokenizer_dir.is_dir()
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir) if has_tokenizer or not configs_only else None
         self.loras = ()    # checked by validate()
@@ -62,20 +61,26 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
         from qic.parallel.sequence import check_layout
         check_layout(spec.layout, ctx.configs["denoiser"].num_attention_heads)
     for name in spec.components:
-        expected_tensors(COMPONENTS[name], ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
+        expected_tensors(family.component(name), ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
     if spec.loras:
-        if "denoiser" not in spec.components:
-            raise ConfigError("LoRAs are merged into the denoiser, which this build leaves out",
-                              "add denoiser to --components, or drop --lora")
-        weights = ctx.ckpt.weights(COMPONENTS["denoiser"].folder).tensors
+        target = lora_target()
+        if target.name not in spec.components:
+            raise ConfigError(f"LoRAs are merged into the {target.name}, which this build leaves out",
+                              f"add {target.name} to --components, or drop --lora")
+        weights = ctx.ckpt.weights(target.folder).tensors
         ctx.loras = tuple(load_lora(path, scale, weights) for path, scale in spec.loras)
 
 
 def looped(spec: BuildSpec, component: str) -> bool:
     """Whether the component's graphs loop one block over stacked weights."""
-    return spec.layers_of(component) == "looped" and COMPONENTS[component].stackable
+    return spec.layers_of(component) == "looped" and family.component(component).stackable
 
 
 def tp_of(component: str, tp: int) -> int:
     """Replicated components (no plan entries, e.g. the VAE decoder) are sharded and compiled once."""
-    return tp if PLANS[component] else 1
+    return family.component(component).tp_degree(tp)
+
+
+def lora_target() -> family.Component:
+    """The component LoRAs merge into (its definition's lora_target)."""
+    return next(c for c in family.components().values() if c.lora_target)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from qic.builder.components import COMPONENTS
-from qic.builder.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
+from qic import family
+from qic.builder.graphs import make_graph
 from qic.checkpoint.reader import Checkpoint
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import BundleError
@@ -64,10 +64,10 @@ class EagerModel:
         self.layout, self.rank = layout or Layout(), rank
         self.coords = self.layout.coords(rank)
         join(self.layout)   # the mesh's groups and the host's (nothing on one rank)
-        for name, comp in COMPONENTS.items():
+        for name, comp in family.components().items():
             cfg = comp.parse_config(self.ckpt.config(comp.folder))
             sd = comp.convert(self.ckpt.weights(comp.folder).load())
-            if name == "denoiser" and self.layout.tp > 1:
+            if comp.runs_layout and self.layout.tp > 1:
                 module = comp.make_module(cfg, tp_size=self.layout.tp)
                 sd = shard_state_dict(name, sd, self.coords["tp"], self.layout.tp)
                 apply_tp(module, self.layout.group_name("tp"))
@@ -75,7 +75,7 @@ class EagerModel:
                 module = comp.make_module(cfg)
             load_weights(module, sd, name)
             self.configs[name] = cfg
-            self.modules[name] = module.to(TORCH_DTYPES[comp.fixed_dtype or dtype]).eval()
+            self.modules[name] = module.to(TORCH_DTYPES[comp.run_dtype(dtype)]).eval()
         vae = self.configs["vae_decoder"]
         self.latents = {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor,
                         "channels": self.configs["denoiser"].in_channels}
@@ -99,18 +99,13 @@ class EagerModel:
                               f"{list(self.batch_sizes or []) or 'any'}, step_cache {self.step_cache})")
         key = (component, resolution, bucket, cfg, batch, part, rows)
         if key not in self._graphs:
-            m = self.modules[component]
-            if part is not None:
-                gdef = step_part_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
-                                       bucket, self.dtype, part, self.step_cache["first"], self.step_cache["last"],
-                                       cfg=cfg, batch=batch, rows=rows, layout=self.layout)
-            elif component == "text_encoder":
-                gdef = text_encoder_graph(m, bucket, batch=batch)
-            elif component == "denoiser":
-                gdef = denoiser_graph(m, self.configs["denoiser"], self.latents["vae_scale_factor"], *resolution,
-                                      bucket, self.dtype, cfg=cfg, batch=batch, layout=self.layout)
-            else:
-                gdef = vae_decoder_graph(m, *resolution, batch=batch)
+            # The shape as qic.builder.jobs plans it (absent entries: the defaults every graph maker assumes),
+            # made by the component's own graph maker, as a build makes it.
+            given = {"resolution": None if resolution is None else list(resolution), "bucket": bucket,
+                     "cfg": None if cfg else False, "batch": None if batch == 1 else batch, "part": part, "rows": rows}
+            shape = {k: v for k, v in given.items() if v is not None} | (self.step_cache if part else {})
+            dtype = family.component(component).run_dtype(self.dtype)
+            gdef = make_graph(component, self.modules[component], self.configs, shape, dtype, self.layout)
             fixed = {name: torch.tensor([self.coords[axis]]) for name, axis in RANK_INPUTS.items()}
             self._graphs[key] = _Eager(gdef, fixed)
         return self._graphs[key]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from qic import family
 from qic.dtypes import TORCH_DTYPES
 from qic.graph_names import graph_name
 from qic.host.latents import packed_grid
@@ -244,23 +245,9 @@ def rank_inputs(step: DenoiseStep) -> list[str]:
 
 def make_graph(component: str, module, configs: dict, shape: dict, dtype: str, layout: Layout = PLAIN):
     """The GraphDef of one graph around a component module (weights bound, or fake for estimates), by the
-    shape qic.builder.jobs plans."""
-    gdef = _make_graph(component, module, configs, shape, dtype, layout)
+    shape its definition plans (qic.family.Component.graph_shapes), made by its definition's graph maker.
+    `dtype`: the component's run dtype (Component.run_dtype)."""
+    gdef = family.component(component).make_graph(module, configs, shape, dtype, layout)
     if not layout.plain:
         gdef.groups = {layout.group_name(a): layout.groups(a) for a in AXES}
     return gdef
-
-
-def _make_graph(component: str, module, configs: dict, shape: dict, dtype: str, layout: Layout):
-    batch = shape.get("batch", 1)
-    if component == "text_encoder":
-        return text_encoder_graph(module, shape["bucket"], batch)
-    if component == "denoiser":
-        h, w = shape["resolution"]
-        if "part" in shape:
-            return step_part_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
-                                   shape["bucket"], dtype, shape["part"], shape["first"], shape["last"],
-                                   cfg=shape.get("cfg", True), batch=batch, rows=shape.get("rows"), layout=layout)
-        return denoiser_graph(module, configs["denoiser"], configs["vae_decoder"].scale_factor, h, w,
-                              shape["bucket"], dtype, cfg=shape.get("cfg", True), batch=batch, layout=layout)
-    return vae_decoder_graph(module, *shape["resolution"], batch)

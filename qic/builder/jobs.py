@@ -15,22 +15,21 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from qic import __version__
-from qic.builder.components import COMPONENTS
+from qic import __version__, family
 from qic.builder.context import looped, tp_of
 from qic.builder.graphs import make_graph
 from qic.errors import ConfigError
 from qic.graph_names import graph_name
 
-# Which checkpoint configs each component's graphs depend on (the denoiser step packs latents by the VAE's scale).
-CONFIG_DEPS = {"text_encoder": ("text_encoder",), "denoiser": ("transformer", "vae"), "vae_decoder": ("vae",)}
 # Config entries that say which tool wrote a file, not what the graph computes: a checkpoint variant saved by
 # another diffusers/transformers (Qwen-Image-2512 vs Qwen-Image) keeps the spec key, so it exports nothing.
 PROVENANCE_KEYS = ("_diffusers_version", "_name_or_path", "transformers_version", "_commit_hash")
-# Where the code that shapes a graph starts: the graph makers, the models, TP's rewrite (applied before
-# export) and every back end's build half. What they import, at any depth and inside functions too, is
-# found by code_files(), so a module they come to use is keyed without anyone listing it.
-CODE_ROOTS = ("qic.builder.graphs", "qic.models", "qic.parallel.tp", "qic.parallel.sequence", "qic.backends")
+# Where the code that shapes a graph starts: the graph makers, the family's component definitions (their
+# shapes, graph makers and TP tables: loaded by name, so no import leads here), the models, TP's rewrite
+# (applied before export) and every back end's build half. What they import, at any depth and inside functions
+# too, is found by code_files(), so a module they come to use is keyed without anyone listing it.
+CODE_ROOTS = ("qic.builder.graphs", family.FAMILY, "qic.models", "qic.parallel.tp", "qic.parallel.sequence",
+              "qic.backends")
 _QIC = Path(__file__).resolve().parent.parent
 
 
@@ -117,16 +116,17 @@ def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
     where = {"backend": spec.backend, "device": spec.device}
     jobs = []
     for comp_name, shape in graph_shapes(spec):
-        deps = {f: {k: v for k, v in raw[f].items() if k not in PROVENANCE_KEYS} for f in CONFIG_DEPS[comp_name]}
-        dtype = COMPONENTS[comp_name].fixed_dtype or spec.dtype_of(comp_name)
+        comp = family.component(comp_name)
+        deps = {f: {k: v for k, v in raw[f].items() if k not in PROVENANCE_KEYS} for f in comp.config_deps}
+        dtype = comp.run_dtype(spec.dtype_of(comp_name))
         name = name_of(comp_name, shape)
-        # A parallel layout changes every TP graph's collectives (the mesh's group names) and the step's.
-        layout = {} if spec.layout.plain else {"layout": spec.layout.as_dict()}
-        shape_key = {**shape, "looped": looped(spec, comp_name)} | (layout if tp_of(comp_name, spec.tp) > 1
-                                                                   or comp_name == "denoiser" else {})
         tp = tp_of(comp_name, spec.tp)
+        # A parallel layout changes every TP graph's collectives (the mesh's group names) and those of the
+        # component that runs the layout's ranks.
+        layout = {} if spec.layout.plain else {"layout": spec.layout.as_dict()}
+        shape_key = {**shape, "looped": looped(spec, comp_name)} | (layout if tp > 1 or comp.runs_layout else {})
         jobs.append(GraphJob(comp_name, name, shape, spec_key(name, shape_key, dtype, tp, deps, identity, code),
-                             _maker(comp_name, configs, shape, spec.dtype_of(comp_name), spec.layout),
+                             _maker(comp_name, configs, shape, dtype, spec.layout),
                              spec_key(name, shape_key, dtype, tp, deps, where, "")))
     return jobs
 
@@ -136,32 +136,10 @@ def _maker(component: str, configs: dict, shape: dict, dtype: str, layout):
 
 
 def graph_shapes(spec) -> list[tuple[str, dict]]:
-    """(component, shape) for every graph the spec asks for, in build order."""
-    # Batch 1 and the CFG graph have no "batch" / "cfg" entry: their names and spec keys predate them.
-    batches = [{} if n == 1 else {"batch": n} for n in spec.batch_sizes]
-    out = [("text_encoder", {"bucket": b} | n)
-           for n in batches for b in spec.text_buckets if "text_encoder" in spec.components]
-    if "denoiser" in spec.components:
-        steps = [("denoiser", {"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | n)
-                 for n in batches for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
-        out += steps
-        if spec.step_cache:
-            out += [("denoiser", s) for _, step in steps
-                    for s in step_part_shapes(step, *spec.step_cache, spec.cfg_parallel)]
-    if "vae_decoder" in spec.components:
-        out += [("vae_decoder", {"resolution": [h, w]} | n) for n in batches for h, w in spec.resolutions]
-    return out
-
-
-def step_part_shapes(step: dict, first: int, last: int, cfg_parallel: bool = False) -> list[dict]:
-    """The split graphs of one step graph's shape: head, mid over all rows, mid over one row (when there is
-    more than one: the rows that compute when the others cache), tail. Under CFG-parallel a rank's rows are
-    its branch's: one per image."""
-    guided = step.get("cfg", True)
-    rows = (2 if guided and not cfg_parallel else 1) * step.get("batch", 1)
-    parts = [{"part": "head"}, {"part": "mid"}] + ([{"part": "mid", "rows": 1}] if rows > 1 else [])
-    parts.append({"part": "tail"})
-    return [step | {"first": first, "last": last} | p for p in parts]
+    """(component, shape) for every graph the spec asks for, in build order: each component's own shapes
+    (qic.family.Component.graph_shapes), components in the family's order."""
+    return [(name, shape) for name, comp in family.components().items() if name in spec.components
+            for shape in comp.graph_shapes(spec)]
 
 
 def check_step_cache(spec, configs: dict) -> None:

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from qic.builder.components import COMPONENTS
+from qic import family
 from qic.builder.context import looped, tp_of
 from qic.builder.jobs import code_digest, graph_shapes, make_graph, name_of, plan_jobs
 from qic.cache import layout
@@ -168,10 +168,10 @@ def _simulated_tp(module: torch.nn.Module, tp: int) -> None:
 
 def weight_bytes(component: str, config, tp: int, dtype: str, looped: bool = False) -> int:
     """One rank's weight bytes, from the module's shard shapes on the meta device."""
-    comp = COMPONENTS[component]
+    comp = family.component(component)
     with torch.device("meta"):
         module = comp.make_module(config, tp_size=tp, looped=looped)
-    item = TORCH_DTYPES[comp.fixed_dtype or dtype].itemsize
+    item = TORCH_DTYPES[comp.run_dtype(dtype)].itemsize
     return sum(t.numel() * (t.element_size() if not t.is_floating_point() else item)
                for t in module.state_dict().values())
 
@@ -182,7 +182,7 @@ def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: di
     layout the denoiser's step runs with its real collectives on a fake process group (Ulysses' shards)."""
     from qic.builder.binding import fake_world_for
     from qic.parallel.mesh import Layout
-    layout = layout if layout is not None and component == "denoiser" else Layout()
+    layout = layout if layout is not None and family.component(component).runs_layout else Layout()
     config = configs[component]
     with fake_world_for(layout) if not layout.plain else contextlib.nullcontext():
         if not hasattr(config, "num_layers"):
@@ -209,8 +209,8 @@ def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, l
     from torch.utils.flop_counter import FlopCounterMode
 
     from qic.parallel.sequence import apply_layout
-    comp = COMPONENTS[component]
-    dtype = comp.fixed_dtype or dtype
+    comp = family.component(component)
+    dtype = comp.run_dtype(dtype)
     default = torch.get_default_dtype()
     with FakeTensorMode(allow_non_fake_inputs=True):
         torch.set_default_dtype(TORCH_DTYPES[dtype])  # built in the dtype: .to() cannot swap fake parameters
@@ -268,7 +268,7 @@ def step_traffic(configs: dict, layout, dtype: str, shape: dict) -> dict:
         with FakeTensorMode(allow_non_fake_inputs=True):
             torch.set_default_dtype(TORCH_DTYPES[dtype])
             try:
-                module = COMPONENTS["denoiser"].make_module(cfgs["denoiser"], tp_size=layout.tp).eval()
+                module = family.component("denoiser").make_module(cfgs["denoiser"], tp_size=layout.tp).eval()
             finally:
                 torch.set_default_dtype(default)
             gdef = make_graph("denoiser", module, cfgs, shape, dtype, layout)
@@ -301,7 +301,7 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
 
     for name in spec.components:
         tp = tp_of(name, spec.tp)
-        dtype = COMPONENTS[name].fixed_dtype or spec.dtype_of(name)
+        dtype = family.component(name).run_dtype(spec.dtype_of(name))
         plan.components.append(ComponentPlan(name, dtype, tp, weights(name, tp, dtype, looped(spec, name)),
                                              weights(name, 1, dtype)))
     per_rank = {c.name: c.bytes_per_rank for c in plan.components}

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import torch
 
-from qic import __version__
+from qic import __version__, family
 from qic.backends import backend_for
 from qic.builder.binding import compile_job
 from qic.builder.bundle import write_bundle
-from qic.builder.components import COMPONENTS
 from qic.builder.context import Context, looped, tp_of, validate
 from qic.builder.jobs import plan_jobs
 from qic.builder.memplan import plan_memory
@@ -69,11 +68,11 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     # Stage 1: per-rank weight shards.
     shards = {}
     for name in spec.components:
-        comp = COMPONENTS[name]
+        comp = family.component(name)
         t = time.perf_counter()
         res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp_of(name, spec.tp), spec.dtype_of(name),
                               ctx.cache, _tick(progress, "shard", name), looped=looped(spec, name),
-                              loras=ctx.loras if name == "denoiser" else ())
+                              loras=ctx.loras if comp.lora_target else ())
         shards[name] = res
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
 

@@ -20,13 +20,14 @@ import torch
 
 from qic import __version__
 from qic.builder import lora as lora_module
-from qic.builder.components import Component, expected_tensors, source_digest
+from qic.builder.components import expected_tensors, source_digest
 from qic.builder.lora import lora_key, merge
 from qic.cache import layout
 from qic.checkpoint.reader import Checkpoint
 from qic.checkpoint.safetensors_file import DTYPE_NAMES
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import CheckpointError
+from qic.family import Component
 from qic.fsutil import leftover_name, staging_dir, write_json_atomic
 from qic.parallel import plans
 
@@ -61,7 +62,7 @@ def shard_component(ckpt: Checkpoint, component: Component, config, ckpt_digest:
     that loop over one block. loras: checked LoRAs (qic.builder.lora) merged into the checkpoint tensors
     they target, in fp32, before conversion, TP split and cast.
     """
-    dtype = component.fixed_dtype or dtype
+    dtype = component.run_dtype(dtype)
     looped = looped and component.stackable
     key = shard_key(ckpt_digest, component, tp, dtype, looped, loras)
     final = layout.shard_dir(cache_dir, component.name, key)
@@ -146,9 +147,9 @@ def _plan(ckpt: Checkpoint, component: Component, config, tp: int, dtype: str) -
                                   f"the config implies {full[e.name]}")
     per_rank = expected_tensors(component, config, tp)  # raises a ConfigError naming counts if tp does not divide
     derived = sorted(set(per_rank) - set(full))
-    if tp > 1 and derived != sorted(plans.RANK_TENSORS[component.name]):
+    if tp > 1 and derived != sorted(component.tp_plan.rank_tensors):
         raise CheckpointError(f"{component.name}: the TP={tp} model holds {derived}, which the plan's per-rank "
-                              f"tensors {sorted(plans.RANK_TENSORS[component.name])} do not provide")
+                              f"tensors {sorted(component.tp_plan.rank_tensors)} do not provide")
     for e in entries:
         sliced = plans.rank_slice(component.name, e.name, torch.empty(e.shape, device="meta"), 0, tp)
         if tuple(sliced.shape) != per_rank[e.name]:

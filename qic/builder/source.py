@@ -7,8 +7,9 @@ import os
 import re
 from pathlib import Path
 
+from qic import family
 from qic.cache import layout
-from qic.checkpoint.reader import FOLDERS, Checkpoint
+from qic.checkpoint.reader import Checkpoint
 from qic.errors import CheckpointError
 
 EMBEDDED_PREFIX = "embedded:"   # embedded:shapes (the default, trained), embedded:tiny, embedded:tiny-alt, ...
@@ -66,24 +67,20 @@ def _from_hub(repo_id: str, patterns: list[str] = _HUB_PATTERNS) -> Path:
                               "check the id, your network, or pass a local directory") from None
 
 
-_CONFIG_PATTERNS = ["model_index.json", "scheduler/*.json", "text_encoder/config.json", "transformer/config.json",
-                    "vae/config.json"]
-
-
 def resolve_configs(model: str | None, cache_dir: Path) -> tuple[dict, dict]:
     """(parsed config per component, raw config per checkpoint folder), reading configs only: an embedded
     preset, a local directory (weights not needed), or a hub id (only its config files are fetched)."""
-    from qic.builder.components import COMPONENTS
     from qic.checkpoint.presets import PRESETS, preset
 
     if model is None or model.startswith(EMBEDDED_PREFIX):
         name = embedded_preset(model)
         try:
-            raw = {f: preset(name)[f] for f in FOLDERS}
+            raw = {f: preset(name)[f] for f in family.folders()}
         except KeyError as e:
             raise CheckpointError(str(e.args[0]), "use " + ", ".join(EMBEDDED_PREFIX + n for n in PRESETS)) from None
     else:
-        path = _from_hub(model, _CONFIG_PATTERNS) if is_hub_id(model) else Path(model).expanduser()
+        patterns = ["model_index.json", "scheduler/*.json", *(f"{f}/config.json" for f in family.folders())]
+        path = _from_hub(model, patterns) if is_hub_id(model) else Path(model).expanduser()
         ckpt = Checkpoint(path)
-        raw = {f: ckpt.config(f) for f in FOLDERS}
-    return {n: c.parse_config(raw[c.folder]) for n, c in COMPONENTS.items()}, raw
+        raw = {f: ckpt.config(f) for f in family.folders()}
+    return {n: c.parse_config(raw[c.folder]) for n, c in family.components().items()}, raw

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 
+from qic import family
 from qic.checkpoint.safetensors_file import Header, TensorInfo, read_header, read_tensor
 from qic.errors import CheckpointError
 from qic.manifest import sha256_file
-
-FOLDERS = ("text_encoder", "transformer", "vae")   # the checkpoint folders qic compiles from
 
 
 def read_json(path: Path) -> dict:
@@ -125,13 +124,15 @@ class Checkpoint:
                 h.update(name.encode() + b"\0" + sha256_file(path).encode() + b"\0")
         return h.hexdigest()
 
-    def digest(self, components: Iterable[str] = FOLDERS, full: bool = False) -> str:
+    def digest(self, components: Iterable[str] | None = None, full: bool = False) -> str:
         """A cheap identity of the checkpoint: configs, headers, sizes, plus per-file content identity.
 
         Headers and sizes alone cannot tell Qwen-Image from Qwen-Image-2512 (same layout, same offsets),
         so each file also contributes its hub blob name (its sha256) when resolved through the hub
-        cache, else size + mtime_ns + inode, or its full sha256 when `full` is asked for.
+        cache, else size + mtime_ns + inode, or its full sha256 when `full` is asked for. `components`: checkpoint
+        folders, by default those the family's components are compiled from (qic.family.folders).
         """
+        components = family.folders() if components is None else tuple(components)
         h = hashlib.sha256(b"qic-checkpoint-digest-v1")
         files = [self.root / "model_index.json", self.root / "scheduler" / "scheduler_config.json"]
         for comp in components:

@@ -1,6 +1,6 @@
 """Tensor-parallel execution: the all_reduce and all_gather hooks, per-rank state dicts, process groups.
 
-Plans (the tables live in `qic.parallel.plans`, not here):
+Plans (each component's own table, in its definition: qic/builder/qwen_image.py; applied by qic.parallel.plans):
 - text encoder: q/k/v column-parallel by heads (GQA: query and key/value heads both divide by TP, so
   TP may not exceed the key/value heads; the module refuses larger TP with a ConfigError naming the
   counts), o_proj row-parallel + all_reduce; gate/up column-parallel, down_proj row-parallel + all_reduce;
@@ -145,21 +145,20 @@ def shard_state_dict(component: str, full_state_dict: Mapping[str, torch.Tensor]
     The same slicing stage 1 writes to disk (`plans.rank_slice`): column-parallel tensors are a
     contiguous chunk of rows, row-parallel ones a chunk of columns, everything else whole; plus the
     plan's per-rank tensors (`plans.rank_tensors`). A split that does not divide by tp is refused, except
-    for the plan's PADDED tensors (the vocabulary), whose ranks get ceil(n / tp) rows, zero-padded.
+    for the plan's padded tensors (the vocabulary), whose ranks get ceil(n / tp) rows, zero-padded.
     """
-    if component not in plans.PLANS:
-        raise ConfigError(f"no TP plan for component {component!r}; known: {', '.join(sorted(plans.PLANS))}")
+    plan = plans.plan_of(component)   # an unknown component: one ConfigError line naming the known
     if not (isinstance(tp, int) and tp >= 1 and 0 <= rank < tp):
         raise ConfigError(f"rank {rank} of tp {tp} is not a valid rank")
     out = {}
     for name, t in full_state_dict.items():
         dim = plans.split_dim(component, name)
-        if dim is not None and t.shape[dim] % tp and name not in plans.PADDED[component]:
+        if dim is not None and t.shape[dim] % tp and name not in plan.padded:
             raise ConfigError(f"{component}: tensor {name} has {t.shape[dim]} along dim {dim}, "
                               f"not divisible by tp {tp}")
         out[name] = plans.rank_slice(component, name, t, rank, tp).contiguous()
     shapes = {name: tuple(t.shape) for name, t in full_state_dict.items()}
-    if tp > 1 and all(of in shapes for of, _ in plans.RANK_TENSORS[component].values()):
+    if tp > 1 and all(of in shapes for of, _ in plan.rank_tensors.values()):
         out.update(plans.rank_tensors(component, shapes, rank, tp))
     return out
 

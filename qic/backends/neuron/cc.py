@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from qic import family
 from qic.backends.neuron import NEFF_FILE
 from qic.errors import CompileError, ConfigError
 from qic.fsutil import file_lock, public_mode, write_json_atomic
@@ -49,7 +50,6 @@ NEFF = NEFF_FILE                   # the file name every bundle folder uses too
 RECORD = "neff.json"
 LOG = "log-neuron-cc.txt"          # the compiler's documented default log name, kept beside the NEFF
 OUTPUT = "compiler-output.txt"     # its stdout and stderr
-MODEL_TYPES = {"text_encoder": "transformer", "denoiser": "transformer", "vae_decoder": "unet-inference"}
 # Options qic places itself: a component's compiler_args may not move the input, output or log.
 RESERVED = ("--framework", "--output", "--logfile")
 # Options documented (or used by AWS's own tools) to take a value, so `--opt value` parses as one pair.
@@ -108,10 +108,10 @@ def version(path: str | None = None) -> str:
 
 
 def default_flags(component: str, lnc: int = 1, target: str = "trn2") -> list[str]:
-    """The flags qic compiles a component with unless its compiler_args say otherwise."""
-    if component not in MODEL_TYPES:
-        raise ConfigError(f"no neuronx-cc defaults for component {component!r}; known: {', '.join(MODEL_TYPES)}")
-    return ["--target", target, "--model-type", MODEL_TYPES[component], "-O1", "--auto-cast", "none",
+    """The flags qic compiles a component with unless its compiler_args say otherwise (its --model-type: its
+    definition's, qic.family.Component.neuron_model_type; an unknown component is one ConfigError line)."""
+    model_type = family.component(component).neuron_model_type
+    return ["--target", target, "--model-type", model_type, "-O1", "--auto-cast", "none",
             "--lnc", str(lnc)]
 
 

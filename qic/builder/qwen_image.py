@@ -1,0 +1,127 @@
+"""Qwen-Image's three compiled components, each one definition (qic.family.Component): the only place that
+says what the text encoder, the denoiser and the VAE decoder are to a build. Meant to move whole into the
+family's own folder (qic/models/qwen_image/) with the graph functions it names.
+
+The TP tables (Megatron-style): Q/K/V and MLP up-projections split by rows (heads / hidden units stay
+contiguous), output and down projections split by columns and are reduced inside the graph (RowLinear) before
+their bias is added, so biases of row-parallel layers stay whole on every rank. Projections whose small output
+every rank needs whole (the denoiser's per-block modulation, its output-norm and text-input projections) split
+by rows and are all-gathered (GatherLinear); the timestep embedder is a column/row pair; the text encoder's
+token embedding splits by vocabulary rows (VocabEmbedding: masked lookup, then an all_reduce sum), padded to
+ceil(V / tp) rows a rank (fine-tunes add tokens, e.g. 401 rows), the surplus rows (the last rank's) zeros that
+no token id reaches. What stays whole: norms, row-parallel biases, the thin img_in / proj_out (64 latent
+channels wide), and the whole VAE decoder. Every other split tensor must divide (heads, MLP width: the model
+refuses). The modules' constructors state the same split as per-rank sizes (`// tp_size`); stage 1 checks the
+two agree tensor by tensor (qic.builder.shard._plan), so a table that disagrees with its model fails the build.
+"""
+
+from __future__ import annotations
+
+from qic.builder.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
+from qic.family import COLUMN, ROW, Component, TPPlan
+from qic.models.looped import LoopedMMDiT, LoopedTextEncoder
+from qic.models.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict
+from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig, text_encoder_state_dict
+from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
+
+
+def _batches(spec) -> list[dict]:
+    # Batch 1 and the CFG graph have no "batch" / "cfg" entry: their names and spec keys predate them.
+    return [{} if n == 1 else {"batch": n} for n in spec.batch_sizes]
+
+
+def _text_encoder_shapes(spec) -> list[dict]:
+    return [{"bucket": b} | n for n in _batches(spec) for b in spec.text_buckets]
+
+
+def _denoiser_shapes(spec) -> list[dict]:
+    steps = [{"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | n
+             for n in _batches(spec) for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
+    if not spec.step_cache:
+        return steps
+    return steps + [s for step in steps for s in step_part_shapes(step, *spec.step_cache, spec.cfg_parallel)]
+
+
+def step_part_shapes(step: dict, first: int, last: int, cfg_parallel: bool = False) -> list[dict]:
+    """The split graphs of one step graph's shape: head, mid over all rows, mid over one row (when there is
+    more than one: the rows that compute when the others cache), tail. Under CFG-parallel a rank's rows are
+    its branch's: one per image."""
+    guided = step.get("cfg", True)
+    rows = (2 if guided and not cfg_parallel else 1) * step.get("batch", 1)
+    parts = [{"part": "head"}, {"part": "mid"}] + ([{"part": "mid", "rows": 1}] if rows > 1 else [])
+    parts.append({"part": "tail"})
+    return [step | {"first": first, "last": last} | p for p in parts]
+
+
+def _vae_decoder_shapes(spec) -> list[dict]:
+    return [{"resolution": [h, w]} | n for n in _batches(spec) for h, w in spec.resolutions]
+
+
+def _text_encoder_graph(module, configs, shape, dtype, layout):
+    return text_encoder_graph(module, shape["bucket"], shape.get("batch", 1))
+
+
+def _denoiser_graph(module, configs, shape, dtype, layout):
+    (h, w), scale = shape["resolution"], configs["vae_decoder"].scale_factor
+    common = dict(cfg=shape.get("cfg", True), batch=shape.get("batch", 1), layout=layout)
+    if "part" in shape:
+        return step_part_graph(module, configs["denoiser"], scale, h, w, shape["bucket"], dtype, shape["part"],
+                               shape["first"], shape["last"], rows=shape.get("rows"), **common)
+    return denoiser_graph(module, configs["denoiser"], scale, h, w, shape["bucket"], dtype, **common)
+
+
+def _vae_decoder_graph(module, configs, shape, dtype, layout):
+    return vae_decoder_graph(module, *shape["resolution"], shape.get("batch", 1))
+
+
+def _text_encoder_module(config: TextEncoderConfig, tp_size: int = 1, looped: bool = False):
+    return (LoopedTextEncoder if looped else QwenTextEncoder)(config, tp_size=tp_size)
+
+
+def _denoiser_module(config: MMDiTConfig, tp_size: int = 1, looped: bool = False):
+    return (LoopedMMDiT if looped else QwenMMDiT)(config, tp_size=tp_size)
+
+
+def _vae_module(config: VAEConfig, tp_size: int = 1, looped: bool = False):
+    # Weights do not depend on the resolution; any valid one gives the module's tensor names and shapes.
+    step = 2 * config.scale_factor
+    return QwenVAEDecoder(config, step, step)
+
+
+_TEXT_ENCODER_TP = TPPlan(
+    rules=(
+        (r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)", COLUMN),
+        (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", ROW),
+        (r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.weight", COLUMN),
+        (r"model\.layers\.\d+\.mlp\.down_proj\.weight", ROW),
+        (r"model\.embed_tokens\.weight", COLUMN),
+    ),
+    rank_tensors={"model.embed_tokens.vocab_start": ("model.embed_tokens.weight", COLUMN)},
+    padded=("model.embed_tokens.weight",),
+)
+_DENOISER_TP = TPPlan(rules=(
+    (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)\.(weight|bias)", COLUMN),
+    (r"transformer_blocks\.\d+\.attn\.(to_out\.0|to_add_out)\.weight", ROW),
+    (r"transformer_blocks\.\d+\.(img|txt)_mlp\.net\.0\.proj\.(weight|bias)", COLUMN),
+    (r"transformer_blocks\.\d+\.(img|txt)_mlp\.net\.2\.weight", ROW),
+    (r"transformer_blocks\.\d+\.(img|txt)_mod\.1\.(weight|bias)", COLUMN),
+    (r"(norm_out\.linear|txt_in|time_text_embed\.timestep_embedder\.linear_1)\.(weight|bias)", COLUMN),
+    (r"time_text_embed\.timestep_embedder\.linear_2\.weight", ROW),
+))
+
+# neuronx-cc model types as NxDI compiles transformers and the Flux VAE decoder (qic/backends/neuron/cc.py).
+COMPONENTS: dict[str, Component] = {c.name: c for c in (
+    Component("text_encoder", "text_encoder", TextEncoderConfig.from_dict, _text_encoder_module,
+              text_encoder_state_dict, ("text_encoder.py", "common.py", "looped.py"),
+              _text_encoder_shapes, _text_encoder_graph, config_deps=("text_encoder",), tp_plan=_TEXT_ENCODER_TP,
+              stackable=True, neuron_model_type="transformer"),
+    # The denoiser step packs latents by the VAE's scale: the VAE's config keys its graphs too.
+    Component("denoiser", "transformer", MMDiTConfig.from_dict, _denoiser_module, mmdit_state_dict,
+              ("mmdit.py", "common.py", "looped.py"), _denoiser_shapes, _denoiser_graph,
+              config_deps=("transformer", "vae"), tp_plan=_DENOISER_TP, stackable=True, runs_layout=True,
+              lora_target=True, neuron_model_type="transformer"),
+    # The VAE decoder runs in fp32 whatever the build's dtype (bf16 decoding visibly bands images).
+    Component("vae_decoder", "vae", VAEConfig.from_dict, _vae_module, vae_decoder_state_dict,
+              ("vae_decoder.py", "common.py"), _vae_decoder_shapes, _vae_decoder_graph, config_deps=("vae",),
+              fixed_dtype="float32", neuron_model_type="unet-inference"),
+)}
