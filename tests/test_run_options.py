@@ -53,6 +53,7 @@ def test_one_check_per_row_refuses_the_same_values_everywhere(name, good, bad):
     with pytest.raises(ConfigError, match=f"^{name} must be "):
         row.check(bad)
     from pydantic import ValidationError
+
     from qic.serve.app import ImageRequest
     ImageRequest(**{"prompt": "x", name: good})
     with pytest.raises(ValidationError):

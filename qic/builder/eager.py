@@ -1,7 +1,8 @@
 """The same graphs a bundle holds, run eagerly from a checkpoint: the reference path for checks.
 
-`EagerModel` offers the interface the runtime's generate() uses (graph(), tokenizer, settings), with
-eager modules in place of compiled graphs, so compiled-vs-eager checks compare one thing only.
+`EagerModel` implements the runtime's interface of a loaded model (qic.runtime.protocol.Runnable: graph(),
+has_graph(), tokenizer, settings, layout), with eager modules in place of compiled graphs and the same answers
+a bundle built with the same keys gives, so compiled-vs-eager checks compare one thing only.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from qic.checkpoint.reader import Checkpoint
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import BundleError
 from qic.graph_names import graph_name
+from qic.host.latents import packed_grid
 from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.models.common import load_weights
 from qic.parallel.mesh import RANK_INPUTS, Layout, join
 from qic.parallel.tp import apply_tp, shard_state_dict
+from qic.runtime.protocol import refuse_unlisted
 from qic.tokenizer import load_tokenizer
 
 
@@ -62,7 +65,7 @@ class EagerModel:
         self.dtype = dtype
         self.configs, self.modules = {}, {}
         self.layout, self.rank = layout or Layout(), rank
-        self.coords = self.layout.coords(rank)
+        self.world, self.coords = self.layout.world, self.layout.coords(rank)
         join(self.layout)   # the mesh's groups and the host's (nothing on one rank)
         for name, comp in family.components().items():
             cfg = comp.parse_config(self.ckpt.config(comp.folder))
@@ -79,23 +82,30 @@ class EagerModel:
         vae = self.configs["vae_decoder"]
         self.latents = {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor,
                         "channels": self.configs["denoiser"].in_channels}
+        for h, w in self.resolutions:   # as `qic build` refuses them
+            packed_grid(h, w, vae.scale_factor)
         self._graphs = {}
         self.defaults = {}
         self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
 
-    def check_resolution(self, height, width):
-        from qic.host.latents import check_resolution
-        check_resolution(height, width, self.latents["vae_scale_factor"])
+    def check_resolution(self, height: int, width: int) -> None:
+        refuse_unlisted(height, width, self.resolutions, "eager model")
 
-    def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None):
-        return ((component != "denoiser" or cfg in self.cfg_modes)
+    def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
+                  part: str | None = None) -> bool:
+        """As a bundle of these resolutions, buckets, CFG modes, batch sizes and step_cache answers."""
+        return ((resolution is None or tuple(resolution) in self.resolutions)
+                and (bucket is None or bucket in self.buckets)
+                and (component != "denoiser" or cfg in self.cfg_modes)
                 and (self.batch_sizes is None or batch in self.batch_sizes)
-                and (part is None or self.step_cache is not None))
+                and (part is None or (component == "denoiser" and self.step_cache is not None)))
 
-    def graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None, rows=None):
+    def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
+              part: str | None = None, rows: int | None = None) -> _Eager:
         if not self.has_graph(component, resolution, bucket, cfg, batch, part):   # as a bundle refuses it
             name = graph_name(component, resolution, bucket, cfg, batch, part, rows)
-            raise BundleError(f"eager model: no graph {name} (it holds cfg {list(self.cfg_modes)}, batch sizes "
+            raise BundleError(f"eager model: no graph {name} (it holds resolutions {self.resolutions}, buckets "
+                              f"{self.buckets}, cfg {list(self.cfg_modes)}, batch sizes "
                               f"{list(self.batch_sizes or []) or 'any'}, step_cache {self.step_cache})")
         key = (component, resolution, bucket, cfg, batch, part, rows)
         if key not in self._graphs:

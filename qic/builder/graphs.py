@@ -33,7 +33,7 @@ from qic.models.step_cache import StepHead, StepMiddle, StepTail
 from qic.models.ulysses import padded
 from qic.models.vae_decoder import QwenVAEDecoder
 from qic.parallel.mesh import AXES, Layout
-from qic.parallel.sequence import apply_layout
+from qic.parallel.sequence import apply_layout, cfg_gather, ulysses_shard
 
 PLAIN = Layout()
 
@@ -123,7 +123,7 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
     dim = config.inner_dim
     u = layout.ulysses                                   # Ulysses: this rank's chunk of each padded stream
     local_tokens, local_text = padded(tokens, u) // u, padded(example_len, u) // u
-    ranked = dict(ulysses=u, tokens=tokens)
+    ranked = dict(shard=ulysses_shard(layout), tokens=tokens)
 
     def scalar(value):
         return torch.tensor(value, dtype=torch.float32)
@@ -150,7 +150,7 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
         outputs = ["img", "txt", "img_residual", "txt_residual"]
         text_inputs = ("txt", "text_mask")
     elif part == "tail":
-        module = StepTail(mmdit, last, cfg, cfg_parallel=split, **ranked)
+        module = StepTail(mmdit, last, cfg, cfg_gather=cfg_gather(layout), **ranked)
         inputs = [("latents", act(batch, tokens, config.in_channels)), ("img_base", act(n_rows, local_tokens, dim)),
                   ("img_residual", act(n_rows, local_tokens, dim)), ("temb", act(n_rows, dim)),
                   ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))] + guidance
@@ -201,7 +201,7 @@ def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucke
     which the runtime fills with the rank's mesh coordinates; the graph's collectives name the mesh's axes."""
     rows, cols = packed_grid(height, width, vae_scale)
     text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
-    step = DenoiseStep(mmdit, cfg=cfg, ulysses=layout.ulysses, cfg_parallel=layout.cfg > 1)
+    step = DenoiseStep(mmdit, cfg=cfg, shard=ulysses_shard(layout), cfg_gather=cfg_gather(layout))
     if not layout.plain:
         apply_layout(step, layout)
     rows_of_text = 2 * batch if cfg else batch

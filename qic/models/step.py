@@ -26,17 +26,17 @@ class DenoiseStep(nn.Module):
     prompt). text_mask [rows, L] (nonzero = valid), or None when every token is valid.
     """
 
-    # CFG-parallel (qic.parallel.sequence sets it): [B, S, C] -> [2B, S, C], both branches' predictions in
-    # CFG-rank order, i.e. [cond rows | uncond rows].
-    cfg_gather = None
-
-    def __init__(self, mmdit: QwenMMDiT, cfg: bool = True, ulysses: int = 1, cfg_parallel: bool = False):
+    def __init__(self, mmdit: QwenMMDiT, cfg: bool = True, shard: UlyssesShard | None = None, cfg_gather=None):
+        """shard: Ulysses, the denoiser run on this rank's 1/U of the tokens (qic/models/ulysses.py; None: all).
+        cfg_gather: CFG-parallel, [B, S, C] -> [2B, S, C], both branches' predictions in CFG-rank order, i.e.
+        [cond rows | uncond rows] (None: one device runs both). The layout's collectives, made by
+        qic.parallel.sequence (ulysses_shard, cfg_gather)."""
         super().__init__()
         self.mmdit = mmdit
         self.cfg = cfg
-        # Ulysses: the denoiser runs on this rank's 1/U of the tokens (qic/models/ulysses.py).
-        self.shard = UlyssesShard(ulysses) if ulysses > 1 else None
-        self.cfg_parallel = cfg_parallel and cfg
+        self.shard = shard
+        self.cfg_gather = cfg_gather
+        self.cfg_parallel = cfg_gather is not None and cfg
 
     def forward(self, latents: torch.Tensor, text_embeds: torch.Tensor, text_mask: torch.Tensor | None,
                 timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,

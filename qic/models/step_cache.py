@@ -52,10 +52,9 @@ def relative_l1(residual: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
 class _Part(nn.Module):
     """What the three parts share: the denoiser, and under Ulysses the token chunking of the image's `tokens`."""
 
-    def __init__(self, mmdit: QwenMMDiT, ulysses: int = 1, tokens: int = 0):
+    def __init__(self, mmdit: QwenMMDiT, shard: UlyssesShard | None = None, tokens: int = 0):
         super().__init__()
-        self.mmdit, self.tokens = mmdit, tokens
-        self.shard = UlyssesShard(ulysses) if ulysses > 1 else None
+        self.mmdit, self.shard, self.tokens = mmdit, shard, tokens
 
     def mask_and_tables(self, text_mask, img, rope_cos, rope_sin, sp_rank):
         """The key mask and RoPE tables of this rank's tokens (all tokens without Ulysses)."""
@@ -67,9 +66,9 @@ class _Part(nn.Module):
 
 
 class StepHead(_Part):
-    def __init__(self, mmdit: QwenMMDiT, first: int, cfg: bool = True, ulysses: int = 1, cfg_parallel: bool = False,
-                 tokens: int = 0):
-        super().__init__(mmdit, ulysses, tokens)
+    def __init__(self, mmdit: QwenMMDiT, first: int, cfg: bool = True, cfg_parallel: bool = False,
+                 shard: UlyssesShard | None = None, tokens: int = 0):
+        super().__init__(mmdit, shard, tokens)
         self.first, self.cfg, self.cfg_parallel = first, cfg, cfg_parallel and cfg
 
     def forward(self, latents, text_embeds, text_mask, timestep, prev_residual, rope_cos, rope_sin, cfg_rank=None,
@@ -92,8 +91,8 @@ class StepHead(_Part):
 
 
 class StepMiddle(_Part):
-    def __init__(self, mmdit: QwenMMDiT, first: int, last: int, ulysses: int = 1, tokens: int = 0):
-        super().__init__(mmdit, ulysses, tokens)
+    def __init__(self, mmdit: QwenMMDiT, first: int, last: int, shard: UlyssesShard | None = None, tokens: int = 0):
+        super().__init__(mmdit, shard, tokens)
         self.first, self.last = first, last
 
     def forward(self, img, txt, temb, text_mask, rope_cos, rope_sin, sp_rank=None):
@@ -104,15 +103,14 @@ class StepMiddle(_Part):
 
 
 class StepTail(_Part):
-    """last = 0: the tail takes no text stream (nothing after the middle reads it)."""
+    """last = 0: the tail takes no text stream (nothing after the middle reads it). cfg_gather (CFG-parallel):
+    this branch's predictions -> both branches', as DenoiseStep's."""
 
-    # CFG-parallel (qic.parallel.sequence sets it): this branch's predictions -> both branches', as DenoiseStep's.
-    cfg_gather = None
-
-    def __init__(self, mmdit: QwenMMDiT, last: int, cfg: bool = True, ulysses: int = 1, cfg_parallel: bool = False,
-                 tokens: int = 0):
-        super().__init__(mmdit, ulysses, tokens)
-        self.last, self.cfg, self.cfg_parallel = last, cfg, cfg_parallel and cfg
+    def __init__(self, mmdit: QwenMMDiT, last: int, cfg: bool = True, cfg_gather=None,
+                 shard: UlyssesShard | None = None, tokens: int = 0):
+        super().__init__(mmdit, shard, tokens)
+        self.last, self.cfg, self.cfg_gather = last, cfg, cfg_gather
+        self.cfg_parallel = cfg_gather is not None and cfg
 
     def forward(self, latents, img_base, img_residual, temb, sigma, sigma_next, guidance=None, text_mask=None,
                 txt_base=None, txt_residual=None, rope_cos=None, rope_sin=None, sp_rank=None):

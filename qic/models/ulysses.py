@@ -7,8 +7,8 @@ text, so latents stay identical everywhere):
   graph input: one graph serves every rank) - and the matching chunks of the RoPE tables;
 - run the input projections, blocks and output projection on its chunk; inside each attention
   (JointAttention.exchange) one all-to-all gives every rank all tokens of 1/U of the heads, and one back;
-- gather the output projection's image tokens from every rank (`gather`, set by qic.parallel.sequence) and
-  drop the padding.
+- gather the output projection's image tokens from every rank (`gather`, a collective the step graph's maker
+  passes in: qic.parallel.sequence.ulysses_shard) and drop the padding.
 
 Key order. A rank's chunk is [its text tokens | its image tokens], so after the all-to-all the keys are in
 rank-interleaved order [txt_0 | img_0 | txt_1 | img_1 | ...], not [text | image]: the key-padding mask is
@@ -49,12 +49,11 @@ class UlyssesShard(nn.Module):
     pieces (split, key_mask, tables, unsplit, relative_l1) are also what the step-caching parts
     (qic/models/step_cache.py) use to run a range of the blocks on the same chunks."""
 
-    gather = None   # [B, n, C] -> [size, B, n, C]: every rank's chunk, set by qic.parallel.sequence
-    reduce = None   # a sum over the group (the step-cache figure's two sums), set by qic.parallel.sequence
-
-    def __init__(self, size: int):
+    def __init__(self, size: int, gather=None, reduce=None):
+        """gather: [B, n, C] -> [size, B, n, C], every rank's chunk; reduce: a sum over the group (the step-cache
+        figure's two sums). Both the sequence group's collectives (qic.parallel.sequence.ulysses_shard)."""
         super().__init__()
-        self.size = size
+        self.size, self.gather, self.reduce = size, gather, reduce
 
     def split(self, x: torch.Tensor, n: int, sp_rank: torch.Tensor) -> torch.Tensor:
         """[B, n, ...] -> this rank's chunk [B, padded(n) / U, ...] of the zero-padded tokens."""

@@ -12,8 +12,6 @@ import torch
 
 from qic.errors import ConfigError
 from qic.models.mmdit import JointAttention
-from qic.models.step import DenoiseStep
-from qic.models.step_cache import StepTail
 from qic.models.ulysses import UlyssesShard
 from qic.parallel.mesh import Layout
 from qic.parallel.tp import apply_tp
@@ -92,17 +90,29 @@ def check_layout(layout: Layout, heads: int) -> None:
                           f"use ulysses dividing {left}, or a smaller tp")
 
 
+def ulysses_shard(layout: Layout) -> UlyssesShard | None:
+    """A step graph's Ulysses token sharding with the sequence group's token gather and figure sum (None: no
+    Ulysses)."""
+    if layout.ulysses == 1:
+        return None
+    sp = layout.group_name("sp")
+    return UlyssesShard(layout.ulysses, StackGather(sp, layout.ulysses), SumReduce(sp))
+
+
+def cfg_gather(layout: Layout) -> RowGather | None:
+    """A step graph's CFG-parallel prediction gather over the CFG pair (None: no CFG-parallel)."""
+    return RowGather(layout.group_name("cfg"), layout.cfg) if layout.cfg > 1 else None
+
+
 def apply_layout(module: torch.nn.Module, layout: Layout) -> None:
-    """Set every collective hook of `module` for `layout`: TP's reduces and gathers, Ulysses' exchanges and
-    token gather and figure sum, CFG-parallel's prediction gather (none at size 1)."""
+    """Set the collective hooks inside `module`'s denoiser for `layout`: TP's reduces and gathers and Ulysses'
+    q/k/v exchanges (none at size 1). These are set on the one denoiser module every graph of a build shares
+    (and that the memory plan swaps for stand-ins); the step graphs' own collectives (Ulysses' token gather and
+    figure sum, CFG-parallel's prediction gather) are their constructors' arguments (ulysses_shard, cfg_gather)."""
     if layout.tp > 1:
         apply_tp(module, layout.group_name("tp"))
-    sp, cfg = layout.group_name("sp"), layout.group_name("cfg")
-    for m in module.modules():
-        if isinstance(m, JointAttention) and layout.ulysses > 1:
-            m.exchange = HeadExchange(sp, layout.ulysses)
-        elif isinstance(m, UlyssesShard):
-            m.gather = StackGather(sp, layout.ulysses)
-            m.reduce = SumReduce(sp)
-        elif isinstance(m, (DenoiseStep, StepTail)) and m.cfg_parallel:
-            m.cfg_gather = RowGather(cfg, layout.cfg)
+    if layout.ulysses > 1:
+        exchange = HeadExchange(layout.group_name("sp"), layout.ulysses)
+        for m in module.modules():
+            if isinstance(m, JointAttention):
+                m.exchange = exchange

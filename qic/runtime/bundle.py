@@ -11,10 +11,11 @@ import torch
 from qic import __version__
 from qic.backends import load_graph, loader
 from qic.dtypes import TORCH_DTYPES
-from qic.errors import BundleError, ConfigError
+from qic.errors import BundleError
 from qic.graph_names import graph_name
 from qic.manifest import check_compatible, read_manifest, verify_files
 from qic.parallel.mesh import RANK_INPUTS, Layout, join
+from qic.runtime.protocol import refuse_unlisted
 from qic.tokenizer import load_tokenizer
 from qic.verified import VerificationCache
 from qic.weights import mmap_safetensors
@@ -37,7 +38,8 @@ class Graph:
 
 
 class Bundle:
-    """A verified, loaded bundle: tokenizer, settings, and graphs by (component, resolution, bucket)."""
+    """A verified, loaded bundle: tokenizer, settings, and graphs by (component, resolution, bucket); what the
+    runtime uses of it is qic.runtime.protocol.Runnable."""
 
     # Seconds this process has spent loading bundles, all loads together: a resident server reports
     # the growth of this per prompt, so a reload anywhere shows up in its timings.
@@ -117,10 +119,7 @@ class Bundle:
         return _key(component, graph_name(component, resolution, bucket, cfg, batch, part)) in self.graphs
 
     def check_resolution(self, height: int, width: int) -> None:
-        if (height, width) not in self.resolutions:
-            have = ", ".join(f"{h}x{w}" for h, w in self.resolutions)
-            raise ConfigError(f"resolution {height}x{width} is not in this bundle (it has: {have})",
-                              "pick one of those, or rebuild with --resolution")
+        refuse_unlisted(height, width, self.resolutions, "bundle")
 
 
 def _weights_bundle(path, manifest: dict, verify_all: bool) -> tuple[Path, dict]:

@@ -20,8 +20,9 @@ from qic.host.options import CACHE_FIELDS, REQUEST_OPTIONS, request_class
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.parallel.mesh import gather_objects, group_done, share_from, wait_for_group
-from qic.runtime.bundle import Bundle
-from qic.runtime.step_cache import cached_loop
+from qic.runtime.loop import denoise_loop, record_steps
+from qic.runtime.protocol import Runnable
+from qic.runtime.step_cache import cached_step
 
 DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
 
@@ -46,7 +47,7 @@ class Result:
     figures: list[list] | None = None             # per row, each step's figure (None where none was read)
 
 
-def validate(req: Request, bundle: Bundle) -> Request:
+def validate(req: Request, bundle: Runnable) -> Request:
     """Each option checked by its row (qic.host.options), the bundle's run defaults filled in, the resolution
     and step caching checked against the bundle."""
     defaults = bundle.defaults
@@ -77,11 +78,11 @@ def validate(req: Request, bundle: Bundle) -> Request:
     return req
 
 
-def generate(bundle: Bundle, req: Request) -> Result:
+def generate(bundle: Runnable, req: Request) -> Result:
     return generate_batch(bundle, [req])[0]
 
 
-def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
+def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     """Run compatible requests (equal `batch_key`) as one batch through the graphs of that batch size
     (the batch-1 graphs for one request; `@B<n>` graphs, built by `batch_sizes`, for n). Each request
     keeps its own prompt, negative prompt, seed and guidance: the step graph takes guidance as one scale
@@ -163,19 +164,19 @@ def generate_batch(bundle: Bundle, reqs: list[Request]) -> list[Result]:
             for i, r in enumerate(reqs)]
 
 
-def denoise(bundle, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
+def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
             times: dict):
     """The denoise loop over x's images: (final latents, step-cache rows or None). One step graph a step, or
-    with step caching on the split graphs (qic/runtime/step_cache.py)."""
+    with step caching on the split graphs (qic/runtime/step_cache.py); the loop is the same one."""
+    batch = x.shape[0]
     if req.cache.active:
-        return cached_loop(bundle, req.cache, res, bucket, cfg, x.shape[0], x, text, text_mask, schedule,
-                           req.steps, guidance, times)
-    step = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=x.shape[0])
-    for i in range(req.steps):
-        t = time.perf_counter()
-        x = step(x, text, text_mask, schedule.timesteps[i], schedule.sigmas[i], schedule.sigmas[i + 1], *guidance)[0]
-        times[f"step{i}"] = time.perf_counter() - t
-    return x, None
+        step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance)
+        return denoise_loop(step, x, schedule, record_steps(times)), decisions.state
+    graph = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch)
+
+    def step(i, x, timestep, sigma, sigma_next):
+        return graph(x, text, text_mask, timestep, sigma, sigma_next, *guidance)[0]
+    return denoise_loop(step, x, schedule, record_steps(times)), None
 
 
 def share_of(bundle, res, bucket, n: int, cached: bool) -> list[tuple[int, int]]:
@@ -212,7 +213,7 @@ class TextPlan:
     bucket: int               # the text bucket (0: exact length)
 
 
-def text_plan(bundle: Bundle, req: Request) -> TextPlan:
+def text_plan(bundle: Runnable, req: Request) -> TextPlan:
     """Tokenize and pick the bucket; a prompt longer than the model takes is a ConfigError."""
     # True CFG as diffusers does it: on when guidance > 1 and a negative prompt is given. Off, the uncond
     # row repeats the prompt with guidance 1, which makes the combination exactly the cond prediction.
@@ -236,7 +237,7 @@ def _no_cfg_graph(guidance) -> ConfigError:
                        "run with --guidance 1, or rebuild with `cfg: [true, false]` in the config")
 
 
-def _ids(bundle: Bundle, prompt: str) -> list[int]:
+def _ids(bundle: Runnable, prompt: str) -> list[int]:
     return bundle.tokenizer.encode(bundle.prompt["template"].format(prompt)).ids
 
 

@@ -1,66 +1,93 @@
-"""Step caching at run time: the denoise loop over a bundle's split step graphs (qic/models/step_cache.py says
-what each graph does; qic/host/cache_policy.py decides which rows compute)."""
+"""Step caching at run time: one denoise step over a bundle's split step graphs, for the one denoise loop
+(qic/runtime/loop.py). qic/models/step_cache.py says what each graph does; qic/host/cache_policy.py decides
+which rows compute, from the figures `decision_figures` reads (the one device-to-host read of a step)."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import torch
 
 from qic.host.cache_policy import CacheSettings, RowState
 from qic.parallel.mesh import gather_figures
+from qic.runtime.protocol import Runnable
 
 
-def cached_loop(bundle, settings: CacheSettings, res, bucket, cfg: bool, batch: int, x, text, text_mask,
-                schedule, steps: int, guidance: list, times: dict) -> tuple[torch.Tensor, list[RowState]]:
-    """The denoise loop over the split graphs; returns (final latents, per row its state: the steps it
-    computed and the figure of every step). Rows: the text rows (with CFG: the images' cond rows, then their
-    uncond rows). Under CFG-parallel this rank's graphs run its branch's rows only, but every rank keeps every
-    row's state: the decisions are made from the figures of each branch's first rank, the same on all ranks."""
-    head = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part="head")
-    mid = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part="mid")
-    tail = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part="tail")
-    rows = text.shape[0]
-    split = bundle.layout.cfg > 1 and cfg
-    local = rows // 2 if split else rows                # the rows this rank's mid and tail run
-    mine = slice(bundle.coords["cfg"] * local, (bundle.coords["cfg"] + 1) * local) if split else slice(0, rows)
-    local_mask = text_mask[mine]
-    mid_one = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part="mid", rows=1) if local > 1 else mid
-    with_text = any(spec["name"] == "txt_base" for spec in tail.inputs)
-    state = [RowState() for _ in range(rows)]
-    prev = stored_img = stored_txt = None
-    for i in range(steps):
-        t0 = time.perf_counter()
-        img, txt, temb, residual, diff = head(x, text, text_mask, schedule.timesteps[i],
-                                              residual_like(prev, local, head))
-        figures = decision_figures(bundle, settings, diff, split, rows)
-        compute = [state[r].decide(settings, i, figures[r]) for r in range(rows)][mine]
+class RowDecisions:
+    """Step caching's decision, as the cached step takes it: per step, from the head's figures, which of this
+    rank's rows compute their middle blocks. Every rank keeps every row's state (the steps it computed and the
+    figure of every step); `figures(diff)` gives every row's figure, the same list on every rank."""
+
+    def __init__(self, settings: CacheSettings, rows: int, mine: slice, figures: Callable[[torch.Tensor], list]):
+        self.settings, self.mine, self.figures = settings, mine, figures
+        self.state = [RowState() for _ in range(rows)]
+
+    def __call__(self, i: int, diff: torch.Tensor) -> list[bool]:
+        figures = self.figures(diff)
+        return [row.decide(self.settings, i, figures[r]) for r, row in enumerate(self.state)][self.mine]
+
+
+class CachedStep:
+    """One denoise step over the split graphs (head, the middle over the rows that compute, tail), a Step of
+    the denoise loop; holds what carries from step to step (each row's last computed residuals). Rows: the text
+    rows (with CFG: the images' cond rows, then their uncond rows); under CFG-parallel this rank's graphs run
+    its branch's rows only (`mine`)."""
+
+    def __init__(self, model: Runnable, res, bucket, cfg: bool, batch: int, text, text_mask, guidance: list,
+                 decide: Callable[[int, torch.Tensor], list[bool]], mine: slice):
+        def part(name: str, rows: int | None = None):
+            return model.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part=name, rows=rows)
+        self.head, self.mid, self.tail = part("head"), part("mid"), part("tail")
+        self.local = mine.stop - mine.start                # the rows this rank's mid and tail run
+        self.mid_one = part("mid", rows=1) if self.local > 1 else self.mid
+        self.with_text = any(spec["name"] == "txt_base" for spec in self.tail.inputs)
+        self.text, self.text_mask, self.local_mask = text, text_mask, text_mask[mine]
+        self.guidance, self.decide = guidance, decide
+        self.prev = self.stored_img = self.stored_txt = None
+
+    def __call__(self, i: int, x, timestep, sigma, sigma_next):
+        local, local_mask = self.local, self.local_mask
+        img, txt, temb, residual, diff = self.head(x, self.text, self.text_mask, timestep,
+                                                   residual_like(self.prev, local, self.head))
+        compute = self.decide(i, diff)
         if all(compute):
-            out_img, out_txt, res_img, res_txt = mid(img, txt, temb, local_mask)
+            out_img, out_txt, res_img, res_txt = self.mid(img, txt, temb, local_mask)
         else:
             out_img, out_txt = img.clone(), txt.clone()
-            res_img = torch.zeros_like(img) if stored_img is None else stored_img.clone()
-            res_txt = torch.zeros_like(txt) if stored_txt is None else stored_txt.clone()
+            res_img = torch.zeros_like(img) if self.stored_img is None else self.stored_img.clone()
+            res_txt = torch.zeros_like(txt) if self.stored_txt is None else self.stored_txt.clone()
             for r in (r for r in range(local) if compute[r]):
-                o_i, o_t, r_i, r_t = mid_one(img[r:r + 1], txt[r:r + 1], temb[r:r + 1], local_mask[r:r + 1])
+                o_i, o_t, r_i, r_t = self.mid_one(img[r:r + 1], txt[r:r + 1], temb[r:r + 1], local_mask[r:r + 1])
                 out_img[r], out_txt[r], res_img[r], res_txt[r] = o_i[0], o_t[0], r_i[0], r_t[0]
         # Stored per row at its computed steps only; the tail gets (mid output, 0) for a computed row, which is
         # exact, and (head output, stored residual) for a cached one.
         mask = torch.tensor(compute).reshape(local, 1, 1)
-        stored_img, stored_txt = res_img, res_txt
-        prev = residual if prev is None else torch.where(mask, residual, prev)
+        self.stored_img, self.stored_txt = res_img, res_txt
+        self.prev = residual if self.prev is None else torch.where(mask, residual, self.prev)
         img_base = torch.where(mask, out_img, img)
-        img_res = torch.where(mask, torch.zeros_like(stored_img), stored_img)
+        img_res = torch.where(mask, torch.zeros_like(res_img), res_img)
         extra = []
-        if with_text:
+        if self.with_text:
             extra = [local_mask, torch.where(mask, out_txt, txt),
-                     torch.where(mask, torch.zeros_like(stored_txt), stored_txt)]
-        x = tail(x, img_base, img_res, temb, schedule.sigmas[i], schedule.sigmas[i + 1], *guidance, *extra)[0]
-        times[f"step{i}"] = time.perf_counter() - t0
-    return x, state
+                     torch.where(mask, torch.zeros_like(res_txt), res_txt)]
+        return self.tail(x, img_base, img_res, temb, sigma, sigma_next, *self.guidance, *extra)[0]
 
 
-def decision_figures(bundle, settings: CacheSettings, diff: torch.Tensor, split: bool, rows: int) -> list:
+def cached_step(model: Runnable, settings: CacheSettings, res, bucket, cfg: bool, batch: int, text, text_mask,
+                guidance: list) -> tuple[CachedStep, RowDecisions]:
+    """The step-cached Step for these rows and the decisions it takes (whose `state` the run reports). Under
+    CFG-parallel this rank's rows are its branch's; the decisions are made from the figures of each branch's
+    first rank, the same on all ranks (decision_figures)."""
+    rows = text.shape[0]
+    split = model.layout.cfg > 1 and cfg
+    local = rows // 2 if split else rows
+    me = model.coords["cfg"]
+    mine = slice(me * local, (me + 1) * local) if split else slice(0, rows)
+    decide = RowDecisions(settings, rows, mine, lambda diff: decision_figures(model, settings, diff, split, rows))
+    return CachedStep(model, res, bucket, cfg, batch, text, text_mask, guidance, decide, mine), decide
+
+
+def decision_figures(model: Runnable, settings: CacheSettings, diff: torch.Tensor, split: bool, rows: int) -> list:
     """Every row's figure at this step, the same list on every rank (None each with a static mask: no read).
     With more ranks, each row's figure is that of the first rank (TP 0, Ulysses 0) of the CFG group that runs it:
     every rank computes the same figures from the same activations (TP: all-reduced; Ulysses: the sums span the
@@ -69,7 +96,7 @@ def decision_figures(bundle, settings: CacheSettings, diff: torch.Tensor, split:
     if settings.steps is not None:
         return [None] * rows
     local = diff.tolist()                               # the one device-to-host read of a step
-    layout = bundle.layout
+    layout = model.layout
     if layout.world == 1:
         return local
     table = gather_figures("world" if split else "branch", local)
