@@ -91,6 +91,13 @@ def test_sizes_are_the_pipelines(res, wh):
     assert s.output_size(res, last_condition=(h, w), height=1000) == (1000 // 32 * 32, want_w // 32 * 32)
 
 
+def test_sizes_that_round_to_nothing_are_refused():
+    with pytest.raises(ConfigError, match="rounds to 0x160"):
+        s.condition_size(10, 1000, output_resolution=16)
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        s.initial_noise(0, Z, 48, 64)
+
+
 @pytest.mark.parametrize("hw", [(1024, 1024), (768, 1344), (64, 96), (32, 2048), (4096, 4096), (224, 160)])
 def test_vision_grid_is_smart_resize(hw):
     lo, hi = 65536, 16777216

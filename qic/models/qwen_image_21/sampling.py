@@ -95,7 +95,11 @@ def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
 def condition_size(image_height: int, image_width: int,
                    output_resolution: int = OUTPUT_RESOLUTION) -> tuple[int, int]:
     """VAE-side (and processor-input) size of a condition image: output_resolution**2 pixels at its aspect."""
-    return calculate_dimensions(output_resolution * output_resolution, image_width / image_height)
+    h, w = calculate_dimensions(output_resolution * output_resolution, image_width / image_height)
+    if h == 0 or w == 0:  # the pipeline would fail in the resize; say why instead
+        raise ConfigError(f"a {image_height}x{image_width} condition image at output_resolution "
+                          f"{output_resolution} rounds to {h}x{w}")
+    return h, w
 
 
 def output_size(output_resolution: int = OUTPUT_RESOLUTION, last_condition: tuple[int, int] | None = None,
@@ -113,8 +117,9 @@ def vision_grid(height: int, width: int, patch_size: int = 16, merge_size: int =
                 min_pixels: int = 65536, max_pixels: int = 16777216) -> tuple[int, int]:
     """Qwen3-VL's image processor on a condition image of (height, width) (smart_resize: multiples of
     patch*merge, pixel count clamped): its (grid_h, grid_w) in patches. The text holds
-    grid_h*grid_w/merge**2 <|image_pad|> tokens for it. The defaults are the processor's size fields
-    as third-party copies of the 2.1 processor config give them; read the checkpoint's own."""
+    grid_h*grid_w/merge**2 <|image_pad|> tokens for it. The defaults are Qwen3-VL's published
+    preprocessor_config.json (size shortest_edge 65536, longest_edge 16777216, patch 16, merge 2); 2.1's own
+    processor config was not found (tests/fixtures/qwen-image-2.1-configs/README.md): pass the checkpoint's."""
     factor = patch_size * merge_size
     if max(height, width) / min(height, width) > 200:
         raise ConfigError(f"condition image {height}x{width}: aspect ratio above 200")
