@@ -12,6 +12,7 @@ filled with large garbage) so a leak of padding into real tokens would show.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 
 from qic.errors import ConfigError
 from qic.models.common import load_weights
+from qic.models.looped import stack_block_weights
 from qic.models.qwen_image_21.denoiser import (
     DenoiserConfig,
     QwenImage21Denoiser,
@@ -33,6 +35,7 @@ from qic.models.qwen_image_21.denoiser import (
     rank_state_dict,
     target_attention_bias,
 )
+from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser
 from qic.models.qwen_image_21.sequence import JointSequence, positions, prefix_inputs, rope_tables
 from qic.parallel import tp as T
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
@@ -296,8 +299,9 @@ def _broken(cls, ours):
 
 @pytest.mark.parametrize("name", ["one_condition", "two_conditions"])
 def test_broken_variants_fail_the_bound(models, name):
-    """(d) Full attention in place of the block-causal mask, condition tokens modulated at t, and a stale prefix
-    (the K/V of another prompt) each miss diffusers by far more than the bound the real model meets."""
+    """(d) Full attention in place of the block-causal mask, condition tokens modulated at t, a stale prefix (the
+    K/V of another prompt), and the padding's keys left unmasked each miss diffusers by far more than the bound
+    the real model meets."""
     ref, ours = models
     case = CASES[name]
     x = _inputs(case)
@@ -315,6 +319,9 @@ def test_broken_variants_fail_the_bound(models, name):
     other = Bucket(case, {**x, "text": x["text"] + 0.5 * torch.randn_like(x["text"])})   # another prompt
     _, k_other, v_other = other.prefill(ours, x["target"], t0)
     misses["stale prefix"] = rel_l2(bucket.decode(ours, x["target"], t1, k_other, v_other), want1)
+    leaky = Bucket(case, x)   # the bucket's padding (and row 1's padded text) left unmasked: its garbage is read
+    leaky.key_valid = torch.ones_like(leaky.key_valid)
+    misses["padding attended"] = rel_l2(leaky.prefill(ours, x["target"], t0)[0], want0)
     FIGURES[f"broken {name}"] = {w: f"{r:.2e}" for w, r in misses.items()}
     for what, rel in misses.items():
         assert rel > BROKEN_MIN, (what, rel, BROKEN_MIN)
@@ -325,6 +332,71 @@ def test_config_refuses_what_it_does_not_implement():
         DenoiserConfig.from_dict({**CONFIG, "causal_condition": False})
     with pytest.raises(ConfigError, match="zero_cond_t"):
         DenoiserConfig.from_dict({**CONFIG, "zero_cond_t": True})
+
+
+# --------------------------------------------------------------------------------------------- looped, export
+
+def _looped(ours) -> LoopedQwenImage21Denoiser:
+    m = LoopedQwenImage21Denoiser(ours.config).eval()
+    load_weights(m, stack_block_weights(ours.state_dict(), "transformer_blocks", ours.config.num_layers),
+                 "transformer")
+    return m
+
+
+@pytest.mark.parametrize("name", ["t2i", "two_conditions"])
+def test_looped_equals_unrolled(models, name):
+    """The scan over stacked block weights runs the unrolled model's layer code on the same tensors: prefill
+    (prediction and stacked K/V) and decode equal bit for bit in eager mode."""
+    _, ours = models
+    looped = _looped(ours)
+    case = CASES[name]
+    x = _inputs(case)
+    bucket = Bucket(case, x)
+    t0, t1 = _timesteps()[:2]
+    want = bucket.prefill(ours, x["target"], t0)
+    got = bucket.prefill(looped, x["target"], t0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    k, v = want[1:]
+    assert torch.equal(bucket.decode(looped, x["target"], t1, k, v), bucket.decode(ours, x["target"], t1, k, v))
+
+
+class _Entry(torch.nn.Module):
+    """A graph's module: one entry point of the denoiser as forward (what a graph maker will export)."""
+
+    def __init__(self, model, entry: str):
+        super().__init__()
+        self.model, self.entry = model, entry
+
+    def forward(self, *args):
+        return getattr(self.model, self.entry)(*args)
+
+
+def _graph_nodes(ep) -> int:
+    return sum(len(gm.graph.nodes) for gm in ep.graph_module.modules() if isinstance(gm, torch.fx.GraphModule))
+
+
+def test_looped_prefill_and_decode_export_whole(models):
+    """torch.export (non-strict, the build's tracer) takes both entry points of the looped form whole: no host
+    sync, no data-dependent shape, the block-causal mask built in the graph from the sequence tensors. The
+    exported programs equal eager exactly, and the decode graph's size does not grow with depth."""
+    _, ours = models
+    looped = _looped(ours)
+    case = CASES["two_conditions"]
+    x = _inputs(case)
+    b = Bucket(case, x)
+    t0, t1 = _timesteps()[:2]
+    pre = (b.text, b.cond, x["target"], t0, b.index, b.block_ids, b.key_valid, b.cos, b.sin)
+    with torch.no_grad():
+        want = looped.prefill(*pre)
+        dec = (x["target"], t1, want[1], want[2], b.key_valid, b.cos[b.P:], b.sin[b.P:])
+        ep_pre = torch.export.export(_Entry(looped, "prefill"), pre, strict=False)
+        ep_dec = torch.export.export(_Entry(looped, "decode"), dec, strict=False)
+        assert all(torch.equal(a, w) for a, w in zip(ep_pre.module()(*pre), want))
+        assert torch.equal(ep_dec.module()(*dec), looped.decode(*dec))
+        deeper = LoopedQwenImage21Denoiser(dataclasses.replace(looped.config, num_layers=5)).eval()
+        k5, v5 = (t[:1].expand(5, *t.shape[1:]).contiguous() for t in want[1:])
+        ep_deep = torch.export.export(_Entry(deeper, "decode"), (*dec[:2], k5, v5, *dec[4:]), strict=False)
+    assert _graph_nodes(ep_deep) == _graph_nodes(ep_dec)
 
 
 # --------------------------------------------------------------------------------------------- TP
@@ -339,14 +411,20 @@ def _rank_tp(rank: int, tp: int, path: str) -> dict:
     m = QwenImage21Denoiser(DenoiserConfig.from_dict(CONFIG_TP), tp).eval()
     m.load_state_dict(rank_state_dict(blob["weights"], rank, tp), strict=True)
     assert T.apply_tp(m) == 2 * CONFIG_TP["num_layers"]
+    looped = LoopedQwenImage21Denoiser(m.config, tp).eval()
+    looped.load_state_dict(stack_block_weights(m.state_dict(), "transformer_blocks", m.config.num_layers))
+    assert T.apply_tp(looped) == 2   # the template's RowLinears: the reductions run inside the scan body
     pre, dec = blob["prefill"], blob["decode"]
     with torch.no_grad():
         pred0, k, v = m.prefill(*pre)
         pred1 = m.decode(dec[0], dec[1], k, v, *dec[2:])
+        looped0, looped_k, _ = looped.prefill(*pre)
+        looped1 = looped.decode(dec[0], dec[1], k, v, *dec[2:])
         for block in m.transformer_blocks:
             block.attn.to_out[0].reduce = None
         broken = m.prefill(*pre)[0]
-    return {"pred0": pred0, "k": k, "v": v, "pred1": pred1, "broken": broken}
+    return {"pred0": pred0, "k": k, "v": v, "pred1": pred1, "broken": broken,
+            "looped_equal": torch.equal(looped0, pred0) and torch.equal(looped_k, k) and torch.equal(looped1, pred1)}
 
 
 def test_tp2_matches_tp1(tmp_path):
@@ -373,6 +451,7 @@ def test_tp2_matches_tp1(tmp_path):
     ranks = T.spawn(_rank_tp, 2, str(path), timeout=300)
     # TP splits each row-parallel matmul into two partial sums plus an all-reduce: the same sums reordered.
     for r in ranks:
+        assert r["looped_equal"]   # the looped form on the same rank: bit for bit
         _close(r["pred0"], pred0, "TP2 prefill")
         _close(r["pred1"], pred1, "TP2 decode")
         assert rel_l2(r["broken"], pred0) > BROKEN_MIN

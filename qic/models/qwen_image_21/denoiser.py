@@ -249,6 +249,21 @@ class Block(nn.Module):
         return x, k, v
 
 
+def prefill_layer(block, prefix, x, mod0, mod, rope_cos, rope_sin, prefix_bias, target_bias):
+    """One block of the prefill: the prefix (at t = 0, block-causal), then the target against its K/V.
+    Returns (prefix, x, k, v) with k, v the prefix's [B, H, P, D] at this block. The RoPE tables are sliced
+    here, not by the caller: a scan refuses loop invariants that alias (two views of one table)."""
+    n = prefix.shape[1]
+    prefix, k, v = block(prefix, mod0, rope_cos[:n], rope_sin[:n], prefix_bias)
+    x, _, _ = block(x, mod, rope_cos[n:], rope_sin[n:], target_bias, past=(k, v))
+    return prefix, x, k, v
+
+
+def decode_layer(block, x, k, v, mod, cos, sin, bias):
+    """One block of a decode: the target against this block's cached prefix k, v [B, H, P, D]."""
+    return block(x, mod, cos, sin, bias, past=(k, v))[0]
+
+
 class NormOut(nn.Module):
     """diffusers' QwenImage21AdaLayerNormContinuous: scale only, no shift."""
 
@@ -300,19 +315,12 @@ class QwenImage21Denoiser(nn.Module):
             rows = torch.cat([rows, self.img_in(cond)], 1)
         prefix = rows.index_select(1, index)
         x = self.img_in(target)
-        n_prefix = index.shape[0]
         temb, mod = self._modulation(timestep, x.dtype)
         _, mod0 = self._modulation(self.prefix_timestep(timestep), x.dtype)
         prefix_bias = self.prefix_attention_bias(block_ids, key_valid, x.dtype)
         target_bias = target_attention_bias(key_valid, x.shape[1], x.dtype)
-        cos_p, sin_p, cos_t, sin_t = rope_cos[:n_prefix], rope_sin[:n_prefix], rope_cos[n_prefix:], rope_sin[n_prefix:]
-        ks, vs = [], []
-        for block in self.transformer_blocks:
-            prefix, k, v = block(prefix, mod0, cos_p, sin_p, prefix_bias)
-            x, _, _ = block(x, mod, cos_t, sin_t, target_bias, past=(k, v))
-            ks.append(k)
-            vs.append(v)
-        return self._output(x, temb), torch.stack(ks), torch.stack(vs)
+        x, k, v = self.prefill_blocks(prefix, x, (mod0, mod, rope_cos, rope_sin, prefix_bias, target_bias))
+        return self._output(x, temb), k, v
 
     def decode(self, target, timestep, k, v, key_valid, rope_cos, rope_sin):
         """A later step: target [B, N, in_features], timestep [B], the prefill's k, v [layers, B, heads, P,
@@ -321,9 +329,23 @@ class QwenImage21Denoiser(nn.Module):
         x = self.img_in(target)
         temb, mod = self._modulation(timestep, x.dtype)
         bias = target_attention_bias(key_valid, x.shape[1], x.dtype)
+        return self._output(self.decode_blocks(x, k, v, (mod, rope_cos, rope_sin, bias)), temb)
+
+    # -- the layer loops: unrolled here, one scan over stacked weights in qic.models.qwen_image_21.looped
+
+    def prefill_blocks(self, prefix, x, invariants):
+        """(x after every block, k, v [layers, B, heads, P, head_dim])."""
+        ks, vs = [], []
+        for block in self.transformer_blocks:
+            prefix, x, k, v = prefill_layer(block, prefix, x, *invariants)
+            ks.append(k)
+            vs.append(v)
+        return x, torch.stack(ks), torch.stack(vs)
+
+    def decode_blocks(self, x, k, v, invariants):
         for i, block in enumerate(self.transformer_blocks):
-            x, _, _ = block(x, mod, rope_cos, rope_sin, bias, past=(k[i], v[i]))
-        return self._output(x, temb)
+            x = decode_layer(block, x, k[i], v[i], *invariants)
+        return x
 
     # -- the rules that make the prefix cacheable, one place each (a test breaks each on purpose)
 
