@@ -18,11 +18,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from diffusers import QwenImage21Transformer2DModel
-from diffusers.models.transformers.transformer_qwenimage21 import (
-    QwenImage21KVCache,
-    build_qwenimage21_block_causal_mask,
-)
 
 from qic.errors import ConfigError
 from qic.models.common import load_weights
@@ -97,10 +92,17 @@ def figures():
         print(f"{what}: {fig}")
 
 
+def _diffusers():
+    """diffusers' 2.1 transformer module, imported when first needed: the spawned TP ranks import this file and
+    need none of it (the import costs each of them about 8 s)."""
+    from diffusers.models.transformers import transformer_qwenimage21
+    return transformer_qwenimage21
+
+
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
-    ref = sensitize_(QwenImage21Transformer2DModel(**CONFIG), seed=3).eval()
+    ref = sensitize_(_diffusers().QwenImage21Transformer2DModel(**CONFIG), seed=3).eval()
     ours = QwenImage21Denoiser(DenoiserConfig.from_dict(dict(ref.config))).eval()
     load_weights(ours, denoiser_state_dict(ref.state_dict()), "transformer")
     return ref, ours
@@ -196,7 +198,7 @@ def test_block_causal_mask_is_diffusers_rule(models, name):
     image_ids, _ = ref.build_token_metadata(pad_mask, [(1, h, w) for h, w in case.conds] + [(1, *case.target)])
     key_valid = torch.ones(B, S, dtype=torch.bool)
     key_valid[:, ~pad_mask] = x["mask"][:, ~slots[:len(case.slots)]]
-    bm = build_qwenimage21_block_causal_mask(image_ids, key_valid, B, torch.device("cpu"))
+    bm = _diffusers().build_qwenimage21_block_causal_mask(image_ids, key_valid, B, torch.device("cpu"))
     q, kv = torch.arange(S)[:, None], torch.arange(S)[None, :]
     want = torch.stack([bm.mask_mod(torch.tensor(b), torch.tensor(0), q, kv) for b in range(B)])
 
@@ -260,7 +262,7 @@ def test_prefill_then_decode_matches_diffusers_cache(models, name):
     x = _inputs(case)
     bucket = Bucket(case, x)
     ts = _timesteps() + [torch.zeros(2)]
-    cache = QwenImage21KVCache(CONFIG["num_layers"])
+    cache = _diffusers().QwenImage21KVCache(CONFIG["num_layers"])
     lat_ref = lat_nocache = lat_ours = x["target"]
     for i in range(3):
         want = _ref(ref, case, x, lat_ref, ts[i], cache, "extract" if i == 0 else "cached")
@@ -315,7 +317,7 @@ def test_broken_variants_fail_the_bound(models, name):
     x = _inputs(case)
     bucket = Bucket(case, x)
     t0, t1 = _timesteps()[:2]
-    cache = QwenImage21KVCache(CONFIG["num_layers"])
+    cache = _diffusers().QwenImage21KVCache(CONFIG["num_layers"])
     want0 = _ref(ref, case, x, x["target"], t0, cache, "extract")
     want1 = _ref(ref, case, x, x["target"], t1, cache, "cached")
     _, k, v = bucket.prefill(ours, x["target"], t0)
