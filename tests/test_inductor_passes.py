@@ -98,3 +98,22 @@ def test_a_graph_holding_a_tensor_of_its_own_is_refused_before_compiling(tmp_pat
     with pytest.raises(RuntimeError, match=r"holds tensors of its own \['module.b'\]"):
         backend.compile(traced, tmp_path / "never")
     assert not (tmp_path / "never").exists()
+
+
+def test_a_wrapped_number_is_not_a_baked_tensor_but_a_tensor_attribute_is():
+    """torch.tensor(1e6) in forward (RoPE's theta) is a 0-dim lifted constant inductor inlines; a tensor kept as a
+    plain attribute (not a parameter or buffer) is a lifted constant the package would hold."""
+    from qic.backends.inductor.build import baked_tensors
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, table: bool):
+            super().__init__()
+            self.table = torch.arange(4.0) if table else None
+
+        def forward(self, x):
+            y = x * torch.tensor(1e6)
+            return y + self.table if self.table is not None else y
+
+    for table in (False, True):
+        program = torch.export.export(Wrapped(table), (torch.randn(4),), strict=False)
+        assert bool(baked_tensors(program)) == table, baked_tensors(program)

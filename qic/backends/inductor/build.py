@@ -165,13 +165,17 @@ class InductorBackend(Backend):
 
 
 def baked_tensors(program) -> list[str]:
-    """The tensors an exported graph reads that are not its inputs: parameters, buffers and lifted constants with a
-    user in the graph. The weights are inputs (WeightsAsInputs replaces the module's own, which export still lists,
-    unread), so a graph built right reads none, and a compiled package's constants can only come from these:
-    checking here, before compiling, is the check on the package without loading it (reading a package's constants
-    took loading it in a child process, about 2 s a graph, since torch's loader never unmaps a .so)."""
+    """The tensors an exported graph reads that are not its inputs: parameters and buffers (module state, where a
+    checkpoint's values would live) and lifted constants of more than one element, each with a user in the graph.
+    A 0-dim lifted constant is a number the code wrapped (RoPE's theta), which inductor writes into the kernels
+    as a literal. The weights are inputs (WeightsAsInputs replaces the module's own, which export still lists,
+    unread), so a graph built right reads none of these, and a compiled package's constants can only come from
+    them: checking here, before compiling, is the check on the package without loading it (reading a package's
+    constants took loading it in a child process, about 2 s a graph, since torch's loader never unmaps a .so)."""
     sig = program.graph_signature
-    held = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    held = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+            **{n: fqn for n, fqn in sig.inputs_to_lifted_tensor_constants.items()
+               if program.constants[fqn].dim() > 0}}
     return sorted(held[n.name] for n in program.graph.nodes if n.op == "placeholder" and n.name in held and n.users)
 
 
