@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from qic.errors import ConfigError
-from qic.host.schedule import Schedule, check_scheduler_config, compute_mu
+from qic.host.schedule import Schedule, schedule_of
 
 VAE_SCALE = 16  # the pipeline hard-codes it (`self.vae_scale_factor = 16`), whatever the VAE config says
 SIZE_MULTIPLE = 2 * VAE_SCALE  # output sizes are cut down to multiples of 32
@@ -52,29 +52,9 @@ def image_seq_len(height: int, width: int) -> int:
 
 
 def schedule(scheduler_config: Mapping, sigmas: np.ndarray, seq_len: int) -> Schedule:
-    """FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=..., mu=...) step by step (float32 numpy, then torch):
-    dynamic shift at mu(seq_len) or the static shift, stretch to shift_terminal, append the terminal 0."""
-    check_scheduler_config(scheduler_config)
-    cfg = scheduler_config
-    sigmas = np.asarray(sigmas, dtype=np.float32)
-    if len(sigmas) == 1 and cfg.get("shift_terminal"):
-        raise ConfigError("a one-step schedule cannot be stretched to shift_terminal (diffusers yields NaN)")
-    if cfg.get("use_dynamic_shifting", False):
-        mu = compute_mu(seq_len, cfg)
-        if cfg.get("time_shift_type", "exponential") == "exponential":
-            sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
-        else:
-            sigmas = mu / (mu + (1 / sigmas - 1) ** 1.0)
-    else:
-        shift = cfg.get("shift", 1.0)
-        sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
-    terminal = cfg.get("shift_terminal")
-    if terminal:
-        one_minus = 1 - sigmas
-        sigmas = 1 - (one_minus / (one_minus[-1] / (1 - terminal)))
-    sig = torch.from_numpy(np.asarray(sigmas)).to(torch.float32)
-    timesteps = sig * cfg.get("num_train_timesteps", 1000)
-    return Schedule(sigmas=torch.cat([sig, torch.zeros(1)]), timesteps=timesteps)
+    """FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=..., mu=...) on the given sigmas (Qwen-Image's own
+    arithmetic: qic.host.schedule.schedule_of), mu from the target tokens only."""
+    return schedule_of(scheduler_config, sigmas, seq_len)
 
 
 def model_timesteps(sched: Schedule) -> torch.Tensor:
