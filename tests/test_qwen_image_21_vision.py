@@ -117,6 +117,32 @@ def test_patchify_is_the_image_processors():
     assert np.array_equal(patchify(image, cfg).numpy(), want)
 
 
+@pytest.mark.parametrize("size", [(37, 53), (90, 20), (10, 12)])  # the last scaled up to min_pixels
+def test_vision_pixels_are_the_image_processors(size):
+    """Resize + normalise + patchify on the host gives the processor's pixel_values (and its grid: sampling's
+    vision_grid); uint8 input, PIL's own bicubic, float32 arithmetic: equal within float32 rounding."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from qic.models.qwen_image_21.sampling import vision_grid
+    from qic.models.qwen_image_21.vision import IMAGE_MEAN, IMAGE_STD, vision_pixels
+    cfg = VisionConfig.from_dict(_config_dict())
+    h, w = size
+    rgb = np.random.default_rng(h).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    image = Image.fromarray(rgb)
+    proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=list(IMAGE_MEAN),
+                                    image_std=list(IMAGE_STD), size={"shortest_edge": 1024, "longest_edge": 4096})
+    want = proc(images=[image], return_tensors="np")
+    grid = vision_grid(h, w, patch_size=4, merge_size=2, min_pixels=1024, max_pixels=4096)
+    assert [1, *grid] == want["image_grid_thw"][0].tolist()
+    got = patchify(vision_pixels(image, grid, cfg), cfg).numpy()
+    assert got.shape == want["pixel_values"].shape
+    assert np.abs(got - want["pixel_values"]).max() <= 4e-7  # a couple of float32 ulps at |x| <= 1
+    # the wrong normalisation (CLIP's, the processor class default) is far off
+    clip = patchify(vision_pixels(image, grid, cfg, mean=(0.481, 0.458, 0.408), std=(0.269, 0.261, 0.276)), cfg)
+    assert np.abs(clip.numpy() - want["pixel_values"]).max() > 0.05
+
+
 @pytest.mark.parametrize("n_images", [1, 2])
 @torch.no_grad()
 def test_tower_and_text_encoder_match_the_pipeline_reading(ref, tower, n_images):
