@@ -23,6 +23,7 @@ token ids (a cumsum gives each slot its feature row), RoPE cos/sin from the posi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -443,9 +444,37 @@ class QwenImage21TextEncoder(nn.Module):
         allowed = causal[None, None] & (attention_mask != 0)[:, None, None, :]
         lowest = torch.full((), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
         mask_bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, lowest)
-        for i, layer in enumerate(self.model.language_model.layers):
+        layers = self.model.language_model.layers
+        # Written with slices so the looped form (a StackedLayers, whose slices are single callables over rows
+        # of its stacks) runs this same code: the deepstack layers one by one, the rest as one loop.
+        deep = self.config.deepstack_layers if deepstack_embeds is not None else 0
+        for i in range(deep):
+            for layer in layers[i:i + 1]:
+                x = layer(x, cos, sin, mask_bias)
+            x = torch.where(is_image[..., None], x + deepstack_embeds[i].to(x.dtype)[slot], x)
+        for layer in layers[deep:]:
             x = layer(x, cos, sin, mask_bias)
-            if deepstack_embeds is not None and i < self.config.deepstack_layers:
-                x = torch.where(is_image[..., None], x + deepstack_embeds[i].to(x.dtype)[slot], x)
         x = x[:, self.drop_tokens:]
         return torch.where((attention_mask[:, self.drop_tokens:] != 0)[..., None], x, torch.zeros((), dtype=x.dtype))
+
+
+LAYER_PREFIX = "model.language_model.layers"
+
+
+class LoopedQwenImage21TextEncoder(QwenImage21TextEncoder):
+    """The same encoder with its decoder layers stacked [num_layers, ...] and run by one device-side loop
+    (qic.models.looped.StackedLayers): the graph holds one layer body whatever the depth (36 in 2.1). The
+    deepstack layers run as one-layer slices of the stacks, the rest as one loop; same forward and outputs.
+
+    state_dict: the unrolled names outside the layers + `model.language_model.layers.stacked.<layer name>`;
+    convert with qic.models.looped.stack_block_weights(sd, LAYER_PREFIX, num_layers).
+    """
+
+    def __init__(self, config: TextEncoder21Config, tp_size: int = 1, drop_tokens: int = 0):
+        from qic.models.looped import StackedLayers  # not at import: looped imports the Qwen-Image models
+        super().__init__(dataclasses.replace(config, num_layers=0), tp_size, drop_tokens)
+        self.config = config
+        # one layer exactly as the unrolled model builds it; free under torch.device("meta")
+        template = QwenImage21TextEncoder(dataclasses.replace(config, num_layers=1), tp_size)
+        self.model.language_model.layers = StackedLayers(template.model.language_model.layers[0],
+                                                         config.num_layers, num_carry=1)
