@@ -550,3 +550,55 @@ def test_looped_layers_match_unrolled(ref, module):
     args = (ids, mask, pos, embeds, deepstack)
     ep = torch.export.export(looped, args)
     assert rel_l2(ep.module()(*args), module(*args)) <= BOUND
+
+
+# ------------------------------------------------------------------------------------------ the pipeline's own code
+
+class _FixedProcessor(_CapturingProcessor):
+    """Hands QwenImage21Pipeline._get_qwen_prompt_embeds fixed model inputs (ids laid out as the processor would
+    lay them out, left-padded as it pads a batch), so the pipeline's own reading code runs on the real model."""
+
+    def __init__(self, inputs: dict):
+        self.inputs = inputs
+
+    def __call__(self, **kwargs):
+        return transformers.BatchFeature(self.inputs)
+
+
+@pytest.mark.parametrize("n_images", [0, 2])
+@torch.no_grad()
+def test_the_pipelines_own_encode_matches(ref, module, n_images):
+    diffusers = pytest.importorskip("diffusers")
+    from PIL import Image
+    grids = GRIDS[:n_images]
+    rows = [_image_prompt(grids, 9, seed=21), _image_prompt(grids, 4, seed=22)]
+    longest = max(map(len, rows))
+    left = torch.zeros(2, longest, dtype=torch.long)
+    left_mask = torch.zeros_like(left)
+    for i, r in enumerate(rows):
+        left[i, longest - len(r):] = r
+        left_mask[i, longest - len(r):] = 1
+    inputs = {"input_ids": left, "attention_mask": left_mask, "mm_token_type_ids": (left == IMAGE_ID).int()}
+    if n_images:  # one set of images per prompt, as the pipeline hands them
+        inputs.update(pixel_values=torch.cat([_pixels(grids)] * 2), image_grid_thw=torch.tensor(grids * 2))
+    pipe = diffusers.QwenImage21Pipeline(scheduler=None, vae=None, text_encoder=ref,
+                                         processor=_FixedProcessor(inputs), transformer=None)
+    images = [Image.new("RGB", (32, 32))] * n_images or None  # only counted: the stand-in ignores them
+    want, want_mask, want_pads = pipe._get_qwen_prompt_embeds(["p", "q"], image=images, device="cpu")
+
+    ids, mask = _padded(rows, longest + 2)
+    if n_images:
+        embeds, deepstack, _ = _vision(ref, grids)
+        pos = mrope_positions(rows[0].tolist(), IMAGE_ID, grids, 2, length=longest + 2)
+        got = module(ids, mask, pos, embeds, deepstack)
+    else:
+        got = module(ids, mask)
+    n = want.shape[1]
+    assert torch.equal(mask[:, DROP:DROP + n].bool(), want_mask.bool())
+    assert torch.equal((ids[:, DROP:DROP + n] == IMAGE_ID) & mask[:, DROP:DROP + n].bool(), want_pads.bool())
+    assert want_pads.sum() == 2 * sum(t * h * w // 4 for t, h, w in grids)
+    err = rel_l2(got[:, :n], want)
+    assert err <= BOUND, f"rel-L2 {err:.3g}"
+    assert torch.equal(got[:, n:], torch.zeros_like(got[:, n:]))
+    print(f"\npipeline's own encode, {n_images} images, 2 prompts left-padded there, right-padded here: rel-L2 "
+          f"{err:.3g}, max-abs {float((got[:, :n] - want).abs().max()):.3g}")
