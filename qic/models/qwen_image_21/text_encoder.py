@@ -8,14 +8,18 @@ features) the i-th deepstack feature is added at those same positions. The final
 never read; `model.norm.weight` is still loaded so the checkpoint's names load strict.
 
 Differences from Qwen2.5-VL (qic's Qwen-Image encoder): per-head RMSNorm on q and k before RoPE, no q/k/v bias
-(`attention_bias`), head_dim from the config (not hidden / heads), and *interleaved* mRoPE: frequency j takes
+(unless `attention_bias`), head_dim from the config (not hidden / heads), and *interleaved* mRoPE: frequency j takes
 its position from the height axis when j % 3 == 1 (j < 3 * sections[1]), the width axis when j % 3 == 2
 (j < 3 * sections[2]), else the temporal axis. For text all three axes carry the same position, so text-only
 input is plain 1-D RoPE. Image tokens get 3-D positions; `mrope_positions` computes them on the host from
 Python ints, as transformers' `get_rope_index` does, and the graph takes them as an input.
 
 Padding: on the right, to a bucket. Causal attention then leaves the valid tokens exactly as the pipeline sees
-one unpadded prompt (it encodes each prompt alone; its left padding only arises for several prompts at once).
+one unpadded prompt. The pipeline left-pads a batch of prompts; RoPE is relative (a row's positions shifted by
+its padding change no score), so its valid outputs agree with these within fp32 rounding (tested on the
+pipeline's own encode).
+
+LoopedQwenImage21TextEncoder is the same model over stacked layer weights (one loop body whatever the depth).
 
 Compile-friendly: static shapes, no `.item()`/`.tolist()`, no buffers, the image slots found in-graph from the
 token ids (a cumsum gives each slot its feature row), RoPE cos/sin from the positions in-graph.
