@@ -37,7 +37,11 @@ transformers = pytest.importorskip("transformers")
 # fp32 reordering bound for the tower: sums at most the merger's width (4 x 32) long; per block about seven in
 # sequence (norm, qkv, scores, weighting, proj, norm, fc1, fc2) plus patch embedding (96 long) and the merger's
 # three. About 1e-5; a wrong layout or table moves the features by 1e-2 or more.
-VISION_BOUND = fp32_reorder_bound(4 * 32, 8 + 4)
+def _bound(depth: int) -> float:
+    return fp32_reorder_bound(4 * 32, 8 * depth + 4)
+
+
+VISION_BOUND = _bound(1)
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +200,26 @@ def test_export_per_grid(tower):
     assert all(c.numel() == 1 for c in ep.constants.values())  # the tables are computed, not baked
     for a, b in zip(ep.module()(pixels * 0.5), tower(pixels * 0.5, grid)):
         assert rel_l2(a, b) <= VISION_BOUND
+
+
+@torch.no_grad()
+def test_looped_blocks_match_unrolled(ref):
+    """Depth 3 with taps after blocks 0 and 2 listed out of order: segments [0], [1, 2], and none after."""
+    from qic.models.looped import stack_block_weights
+    from qic.models.qwen_image_21.vision import BLOCK_PREFIX, LoopedQwenImage21Vision
+    d = _config_dict()
+    d["vision_config"].update(depth=3, deepstack_visual_indexes=[2, 0])
+    deep_ref = sensitize_(transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(**d)).eval())
+    cfg = VisionConfig.from_dict(d)
+    unrolled = QwenImage21Vision(cfg)
+    load_weights(unrolled, vision_state_dict(deep_ref.state_dict()), "vision")
+    looped = LoopedQwenImage21Vision(cfg)
+    load_weights(looped, stack_block_weights(unrolled.state_dict(), BLOCK_PREFIX, 3), "vision")
+    grids = GRIDS[1:]
+    pixels = _pixels(grids)
+    want = deep_ref.model.visual(pixels, grid_thw=torch.tensor(grids))
+    got = unrolled(pixels, grids[0][1:])
+    assert rel_l2(got[0], want.pooler_output) <= _bound(3)
+    assert rel_l2(got[1], torch.stack(want.deepstack_features)) <= _bound(3)  # taps in block order
+    for a, b in zip(looped(pixels, grids[0][1:]), got):
+        assert torch.equal(a, b)  # the same block code on slices of the stacks

@@ -16,6 +16,7 @@ layout would need a per-rank permutation to split).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -280,10 +281,34 @@ class QwenImage21Vision(nn.Module):
         x = vis.patch_embed(pixel_values)
         pos, cos, sin = self.tables(gh, gw, x.device, x.dtype)
         x = x + pos
-        deepstack = []
-        for i, block in enumerate(vis.blocks):
+        # Segments of blocks between deepstack taps, as slices, so the looped form (a StackedLayers, whose slices
+        # are single callables over rows of its stacks) runs this same code. Taps in block order, each through the
+        # merger of its place in the config's list, as transformers does.
+        deepstack, start = [], 0
+        for i in sorted(set(cfg.deepstack_indexes)):
+            for block in vis.blocks[start:i + 1]:
+                x = block(x, cos, sin)
+            deepstack.append(vis.deepstack_merger_list[cfg.deepstack_indexes.index(i)](x))
+            start = i + 1
+        for block in vis.blocks[start:]:
             x = block(x, cos, sin)
-            if i in cfg.deepstack_indexes:
-                deepstack.append(vis.deepstack_merger_list[cfg.deepstack_indexes.index(i)](x))
         merged = vis.merger(x)
         return merged, torch.stack(deepstack) if deepstack else merged.new_zeros(0, *merged.shape)
+
+
+BLOCK_PREFIX = "model.visual.blocks"
+
+
+class LoopedQwenImage21Vision(QwenImage21Vision):
+    """The same tower with its blocks stacked [depth, ...] and run by qic.models.looped.StackedLayers: one block
+    body per segment between deepstack taps, whatever the depth (27 in 2.1). Same forward and outputs.
+    Convert with qic.models.looped.stack_block_weights(sd, BLOCK_PREFIX, depth)."""
+
+    def __init__(self, config: VisionConfig):
+        from qic.models.looped import StackedLayers  # not at import: looped imports the Qwen-Image models
+        one = dataclasses.replace(config, depth=1, deepstack_indexes=())
+        super().__init__(dataclasses.replace(config, depth=0, deepstack_indexes=()))
+        self.config = config
+        vis = self.model.visual
+        vis.deepstack_merger_list = nn.ModuleList(_Merger(config, postshuffle=True) for _ in config.deepstack_indexes)
+        vis.blocks = StackedLayers(QwenImage21Vision(one).model.visual.blocks[0], config.depth, num_carry=1)
