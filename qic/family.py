@@ -1,6 +1,6 @@
 """What a compiled component is, declared once: the one definition every stage reads (issue 30's family seam).
 
-A model family (Qwen-Image today: qic/builder/qwen_image.py) is a module whose `COMPONENTS` maps each
+A model family (Qwen-Image today: qic/models/qwen_image/components.py) is a module whose `COMPONENTS` maps each
 component's name to a `Component`: where its checkpoint keeps it, how its eager module is made and its
 weights converted, which graphs a build asks of it and how each is made, what its graphs' keys depend on,
 its dtype rule, its tensor-parallel plan and its neuronx-cc model type. The build stages (planning, sharding,
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from qic.errors import ConfigError
 
-FAMILY = "qic.builder.qwen_image"   # the module holding the family's COMPONENTS
+FAMILY = "qic.models.qwen_image.components"   # the module holding the family's COMPONENTS
 
 COLUMN, ROW = 0, 1  # a TP plan's split dim: by output rows (column-parallel) or input columns (row-parallel)
 
@@ -55,12 +55,18 @@ class Component:
     config_deps: tuple[str, ...]  # checkpoint folders whose configs its graphs depend on (spec keys)
     tp_plan: TPPlan = TPPlan()
     fixed_dtype: str | None = None  # a component that always runs in this dtype, whatever the build's
-    stackable: bool = False         # has a looped form over stacked block weights (qic.models.looped)
+    # The module name of its layer list when it has a looped form over stacked block weights (qic.models.looped:
+    # the shard stage stacks `<blocks>.<i>.*` into `<blocks>.stacked.*`); None: it has none.
+    blocks: str | None = None
     # Its graphs run the parallel layout's Ulysses / CFG-parallel ranks (the others are replicated across them),
     # so the layout keys them even at TP 1, and the eager stand-in gives it the layout's TP shard.
     runs_layout: bool = False
     lora_target: bool = False       # LoRAs (qic build --lora) merge into its weights
     neuron_model_type: str = "generic"   # neuronx-cc --model-type (qic.backends.neuron.cc)
+
+    @property
+    def stackable(self) -> bool:
+        return self.blocks is not None
 
     def run_dtype(self, build_dtype: str) -> str:
         """The dtype its weights and graphs have in a build that asks for `build_dtype` (the spec's per component)."""

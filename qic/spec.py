@@ -78,7 +78,8 @@ class BuildSpec:
     # native at real width (docs/benchmarks.md, "CPU targets") and serves every machine of its level.
     cpu_target: str | None = None
     # Step caching: (first, last) blocks always computed; the split step graphs are built beside the whole-step
-    # ones (qic/models/step_cache.py). None: not built. (1, 0) is diffusers' FirstBlockCache, (8, 0) cache-dit's.
+    # ones (qic/models/qwen_image/step_cache.py). None: not built. (1, 0) is diffusers' FirstBlockCache, (8, 0)
+    # cache-dit's.
     step_cache: tuple[int, int] | None = None
     # More ranks per image (qic/parallel/mesh.py): Ulysses sequence parallelism over `ulysses` ranks, and
     # CFG-parallel (the cond and uncond rows on two rank groups); world = tp x ulysses x (2 if cfg_parallel).

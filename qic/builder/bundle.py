@@ -98,7 +98,8 @@ def _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out:
             "scheduler": ctx.scheduler,                       # the checkpoint's, overrides applied
             "scheduler_overrides": dict(spec.scheduler),
             "defaults": dict(spec.defaults),
-            # Step caching's split graphs are in: blocks always computed first and last (qic/models/step_cache.py)
+            # Step caching's split graphs are in: blocks always computed first and last
+            # (qic/models/qwen_image/step_cache.py)
             "step_cache": dict(zip(("first", "last"), spec.step_cache)) if spec.step_cache else None,
             "loras": [{"file": Path(lo.path).name, "sha256": lo.digest, "scale": lo.scale} for lo in ctx.loras],
             "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,

@@ -1,5 +1,5 @@
 """The builder's helpers over a component's definition (qic.family.Component; Qwen-Image's are in
-qic.builder.qwen_image): the code that keys its shards, and the tensors one rank's module holds."""
+qic.models.qwen_image.components): the code that keys its shards, and the tensors one rank's module holds."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Qwen-Image's three compiled components, each one definition (qic.family.Component): the only place that
-says what the text encoder, the denoiser and the VAE decoder are to a build. Meant to move whole into the
-family's own folder (qic/models/qwen_image/) with the graph functions it names.
+says what the text encoder, the denoiser and the VAE decoder are to a build.
 
 The TP tables (Megatron-style): Q/K/V and MLP up-projections split by rows (heads / hidden units stay
 contiguous), output and down projections split by columns and are reduced inside the graph (RowLinear) before
@@ -17,12 +16,16 @@ two agree tensor by tensor (qic.builder.shard._plan), so a table that disagrees 
 
 from __future__ import annotations
 
-from qic.builder.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
 from qic.family import COLUMN, ROW, Component, TPPlan
-from qic.models.looped import LoopedMMDiT, LoopedTextEncoder
-from qic.models.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict
-from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig, text_encoder_state_dict
-from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
+from qic.models.qwen_image.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
+from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT, mmdit_state_dict
+from qic.models.qwen_image.text_encoder import (
+    LoopedTextEncoder,
+    QwenTextEncoder,
+    TextEncoderConfig,
+    text_encoder_state_dict,
+)
+from qic.models.qwen_image.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
 
 
 def _batches(spec) -> list[dict]:
@@ -112,16 +115,16 @@ _DENOISER_TP = TPPlan(rules=(
 # neuronx-cc model types as NxDI compiles transformers and the Flux VAE decoder (qic/backends/neuron/cc.py).
 COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component("text_encoder", "text_encoder", TextEncoderConfig.from_dict, _text_encoder_module,
-              text_encoder_state_dict, ("text_encoder.py", "common.py", "looped.py"),
+              text_encoder_state_dict, ("qwen_image/text_encoder.py", "common.py", "looped.py"),
               _text_encoder_shapes, _text_encoder_graph, config_deps=("text_encoder",), tp_plan=_TEXT_ENCODER_TP,
-              stackable=True, neuron_model_type="transformer"),
+              blocks="model.layers", neuron_model_type="transformer"),
     # The denoiser step packs latents by the VAE's scale: the VAE's config keys its graphs too.
     Component("denoiser", "transformer", MMDiTConfig.from_dict, _denoiser_module, mmdit_state_dict,
-              ("mmdit.py", "common.py", "looped.py"), _denoiser_shapes, _denoiser_graph,
-              config_deps=("transformer", "vae"), tp_plan=_DENOISER_TP, stackable=True, runs_layout=True,
+              ("qwen_image/mmdit.py", "common.py", "looped.py"), _denoiser_shapes, _denoiser_graph,
+              config_deps=("transformer", "vae"), tp_plan=_DENOISER_TP, blocks="transformer_blocks", runs_layout=True,
               lora_target=True, neuron_model_type="transformer"),
     # The VAE decoder runs in fp32 whatever the build's dtype (bf16 decoding visibly bands images).
     Component("vae_decoder", "vae", VAEConfig.from_dict, _vae_module, vae_decoder_state_dict,
-              ("vae_decoder.py", "common.py"), _vae_decoder_shapes, _vae_decoder_graph, config_deps=("vae",),
+              ("qwen_image/vae_decoder.py", "common.py"), _vae_decoder_shapes, _vae_decoder_graph, config_deps=("vae",),
               fixed_dtype="float32", neuron_model_type="unet-inference"),
 )}
