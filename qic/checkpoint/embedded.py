@@ -74,7 +74,7 @@ VAE_KERNEL_SCALE: tuple[tuple[str, float], ...] = (
 )
 
 MODEL_INDEX = {
-    "_class_name": "QwenImagePipeline",
+    "_class_name": _presets.PIPELINE_CLASS,
     "_diffusers_version": "0.34.0.dev0",
     "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
     "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
