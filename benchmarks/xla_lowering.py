@@ -23,10 +23,11 @@ import torch
 
 from qic.backends.neuron import hlo_proto
 from qic.backends.neuron import lower as xl
+from qic.builder.graphs import make_graph
 from qic.checkpoint import presets
 from qic.models.looped import stack_block_weights
 from qic.models.qwen_image.components import COMPONENTS
-from qic.models.qwen_image.graphs import denoiser_graph, make_graph, text_encoder_graph, vae_decoder_graph
+from qic.models.qwen_image.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
 from qic.parallel.mesh import Layout
 
 REAL_CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen-image-configs"

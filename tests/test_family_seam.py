@@ -171,6 +171,7 @@ def test_a_stand_in_family_plugs_in_by_its_folder_alone(tmp_path):
     assert manifest["family"] == {"name": "toy-painter", "host": "toy_family.host"}
     assert [g["name"] for g in manifest["graphs"]] == ["painter@{}x{}".format(*SIZE)]
     assert manifest["components"] == ["painter"] and manifest["tokenizer"] is None
+    assert "family toy-painter, host program toy_family.host" in qic("inspect", out, env=env).stdout
 
     # qic run runs the family's own host program, and imports neither its components nor its model to do so.
     probe = f"""
