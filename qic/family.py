@@ -186,16 +186,16 @@ def current() -> Family:
     return _current[0] if _current else default()
 
 
-def components(fam: Family | str | None = None) -> dict[str, Component]:
-    """A family's components by name, in build order (the family being built when none is named)."""
-    fam = current() if fam is None else by_name(fam) if isinstance(fam, str) else fam
-    return importlib.import_module(fam.components).COMPONENTS
-
-
 def components_module(fam: Family | str | None = None):
-    """The family's components module: COMPONENTS and its optional build hooks (validate, manifest_fields)."""
+    """A family's components module (the family being built when none is named): COMPONENTS and its optional
+    build hooks (validate, manifest_fields)."""
     fam = current() if fam is None else by_name(fam) if isinstance(fam, str) else fam
     return importlib.import_module(fam.components)
+
+
+def components(fam: Family | str | None = None) -> dict[str, Component]:
+    """A family's components by name, in build order (the family being built when none is named)."""
+    return components_module(fam).COMPONENTS
 
 
 def names(fam: Family | str | None = None) -> tuple[str, ...]:
