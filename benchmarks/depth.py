@@ -6,14 +6,14 @@
 
 One denoiser width, the real head size: 4 heads of 128 (inner dim 512, MLP 2048), joint dim 256,
 in_channels 64, RoPE axes (16, 56, 56); only num_layers varies. The graph is the build's step graph
-(qic.builder.graphs.denoiser_graph: StepGraph(DenoiseStep(...)), CFG batch of 2) at --size x --size pixels
+(qic.models.qwen_image.graphs.denoiser_graph: StepGraph(DenoiseStep(...)), CFG batch of 2) at --size x --size pixels
 (VAE scale 8, so (size/16)^2 packed image tokens) and a text bucket of --text tokens, fp32, exported with
 the weights as inputs (qic.backends.inductor.build.WeightsAsInputs) and compiled by
 qic.backends.inductor.build.InductorBackend.compile, then run through qic.backends.inductor.load.load, as the
 build and the runtime do.
 
 Forms: `looped` (qic.models.looped.LoopedMMDiT: one scan over stacked block weights) and `unrolled`
-(qic.models.mmdit.QwenMMDiT: one graph copy per block). Each compile runs in a child process of its own,
+(qic.models.qwen_image.mmdit.QwenMMDiT: one graph copy per block). Each compile runs in a child process of its own,
 with inductor's caches off and a fresh cache directory (the looped graphs of every depth share one block
 body, which a warm cache would otherwise serve to the later compiles), from uninitialised, never-touched
 weights: compiling reads none. Reported per graph: export seconds, compile seconds
@@ -65,10 +65,10 @@ def _step_graph(form: str, depth: int, size: int, text: int, reference=None):
     (never touched) unless a reference QwenMMDiT gives them."""
     import torch
 
-    from qic.builder.graphs import denoiser_graph
     from qic.host.prompt import DROP_TOKENS
-    from qic.models.looped import LoopedMMDiT, stack_block_weights
-    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from qic.models.looped import stack_block_weights
+    from qic.models.qwen_image.graphs import denoiser_graph
+    from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT
 
     config = MMDiTConfig.from_dict({**WIDTH, "num_layers": depth})
     with torch.device("meta"):
@@ -112,7 +112,7 @@ def _child_latency(depth: int, size: int, text: int, runs: int, work: Path) -> d
     import torch
 
     from qic.backends.inductor.load import load
-    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT
 
     torch.manual_seed(0)
     reference = QwenMMDiT(MMDiTConfig.from_dict({**WIDTH, "num_layers": depth})).eval()

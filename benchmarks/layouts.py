@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.layouts --smoke   # 1 block of 2 x 32, 32x48 px, 2 layouts, 1 step (eager)
 
 A synthetic Qwen-Image denoiser (diffusers layout, `--heads` x `--head-dim` wide, `--layers` blocks) in qic's
-step graph (qic.builder.graphs.denoiser_graph: true CFG, norm rescale, Euler) at `--size` px square and a
+step graph (qic.models.qwen_image.graphs.denoiser_graph: true CFG, norm rescale, Euler) at `--size` px square and a
 text bucket of `--bucket` (the denoiser sees bucket - 34 tokens), eager fp32 by default (`--compiled`: one
 AOTInductor package per layout, compiled as `qic build` does, in a process of its own on a fake process
 group, and run by every rank). Each layout runs in fresh
@@ -40,9 +40,9 @@ def _step(spec: dict, layout, rank: int):
     from safetensors.torch import load_file
 
     from qic.builder.graphs import make_graph
-    from qic.builder.qwen_image import COMPONENTS
     from qic.checkpoint import presets
-    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from qic.models.qwen_image.components import COMPONENTS
+    from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT
     from qic.parallel.mesh import RANK_INPUTS
     from qic.parallel.tp import apply_tp, shard_state_dict
     cfg = MMDiTConfig.from_dict(spec["config"])
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "warmup": 0})
     from safetensors.torch import save_file
 
-    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT
     from qic.parallel.mesh import Layout
     from qic.parallel.tp import spawn
 

@@ -45,8 +45,8 @@ def _measure_here(preset_name: str, component: str, shape: dict) -> dict:
     import torch
 
     from qic.builder.jobs import make_graph
-    from qic.builder.qwen_image import COMPONENTS
     from qic.checkpoint.presets import preset
+    from qic.models.qwen_image.components import COMPONENTS
 
     torch.set_num_threads(1)
     raw = preset(preset_name)

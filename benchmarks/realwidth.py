@@ -123,7 +123,7 @@ def step_flops(configs: dict, h: int, w: int, bucket: int, cfg: bool = True) -> 
     from torch.utils.flop_counter import FlopCounterMode
 
     from qic.builder.jobs import make_graph
-    from qic.builder.qwen_image import COMPONENTS
+    from qic.models.qwen_image.components import COMPONENTS
     parsed = {n: c.parse_config(configs[c.folder]) for n, c in COMPONENTS.items()}
     shape = {"resolution": [h, w], "bucket": bucket} | ({} if cfg else {"cfg": False})
     with FakeTensorMode(allow_non_fake_inputs=True):

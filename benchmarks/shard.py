@@ -85,7 +85,7 @@ def transformer_config(layers: int, width: dict = REAL_WIDTH) -> dict:
 
 
 def _tensors(layers: int, width: dict = REAL_WIDTH) -> list[tuple[str, tuple[int, ...]]]:
-    from qic.checkpoint.tensor_names import transformer_tensors
+    from qic.models.qwen_image.tensor_names import transformer_tensors
     return transformer_tensors(transformer_config(layers, width))
 
 
@@ -297,9 +297,9 @@ def child_main(spec: dict, result_path: str) -> None:
         fn = _copy if kind == "copy" else _pread_stream
         work = lambda: fn(spec["files"], out_dir)  # noqa: E731
     else:
-        from qic.builder.qwen_image import COMPONENTS
         from qic.builder.shard import shard_component
         from qic.checkpoint.reader import Checkpoint
+        from qic.models.qwen_image.components import COMPONENTS
 
         t = time.perf_counter()
         ckpt = Checkpoint(Path(spec["ckpt"]))

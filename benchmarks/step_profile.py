@@ -69,7 +69,7 @@ def tiny_configs(depth: int) -> dict:
 def step_module(size: int, bucket: int, depth: int, tiny: bool = False):
     """(step graph module, inputs) at the real widths, or the embedded tiny model's (`tiny`)."""
     from qic.builder.jobs import make_graph
-    from qic.builder.qwen_image import COMPONENTS
+    from qic.models.qwen_image.components import COMPONENTS
     configs = tiny_configs(depth) if tiny else reduced_configs(CONFIGS, depth)
     parsed = {n: c.parse_config(configs[c.folder]) for n, c in COMPONENTS.items()}
     torch.manual_seed(0)

@@ -48,7 +48,7 @@ def _config(args) -> dict:
 
 
 def _inputs(cfg, rows: int, cols: int, text: int):
-    from qic.models.mmdit import rope_tables
+    from qic.models.qwen_image.mmdit import rope_tables
     g = torch.Generator().manual_seed(0)
     img = torch.randn(2, rows * cols, cfg.in_channels, generator=g)
     txt = torch.randn(2, text, cfg.joint_attention_dim, generator=g)
@@ -60,7 +60,7 @@ def _inputs(cfg, rows: int, cols: int, text: int):
 def _rank(rank: int, tp: int, spec: dict) -> dict:
     from safetensors.torch import load_file
 
-    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT
     from qic.parallel import tp as T
 
     cfg = MMDiTConfig.from_dict(spec["config"])
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from safetensors.torch import save_file
 
-    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT
     from qic.parallel.tp import spawn
 
     rows, cols = (int(v) for v in args.grid.lower().split("x"))

@@ -23,10 +23,11 @@ import torch
 
 from qic.backends.neuron import hlo_proto
 from qic.backends.neuron import lower as xl
-from qic.builder.graphs import denoiser_graph, make_graph, text_encoder_graph, vae_decoder_graph
-from qic.builder.qwen_image import COMPONENTS
+from qic.builder.graphs import make_graph
 from qic.checkpoint import presets
 from qic.models.looped import stack_block_weights
+from qic.models.qwen_image.components import COMPONENTS
+from qic.models.qwen_image.graphs import denoiser_graph, text_encoder_graph, vae_decoder_graph
 from qic.parallel.mesh import Layout
 
 REAL_CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen-image-configs"
@@ -127,7 +128,7 @@ def layout_check(tp: int, ulysses: int, cfg: int) -> dict:
     (prediction_error), and again with every rank fed rank 0's coordinates (wrong_coords: must be far off); the
     collectives' replica groups and the bytes they move, as counted in the HLO."""
     from qic.builder.binding import fake_world
-    from qic.builder.graphs import rank_inputs
+    from qic.models.qwen_image.graphs import rank_inputs
     from qic.parallel.tp import shard_state_dict
     layout = Layout(tp, ulysses, cfg)
     cfgs = _configs()
@@ -215,7 +216,7 @@ def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
     Two broken runs show the comparison can fail: the text mask dropped (every key attended), and at tp > 1
     rank 0 holding rank 1's shard (its all-reduces sum one shard twice)."""
     from qic.builder.binding import fake_world
-    from qic.builder.graphs import step_part_graph
+    from qic.models.qwen_image.graphs import step_part_graph
     from qic.parallel.tp import apply_tp, shard_state_dict
     cfgs = _configs(num_layers=4)
     fake_world(Layout(tp))
@@ -318,7 +319,7 @@ def _host_loop(blocks: int, repeats: int = 3) -> dict:
     gen = torch.Generator().manual_seed(0)
     img, txt = torch.randn(2, rows * cols, dim, generator=gen), torch.randn(2, 94, dim, generator=gen)
     temb = torch.randn(2, dim, generator=gen)
-    from qic.models.mmdit import rope_tables
+    from qic.models.qwen_image.mmdit import rope_tables
     cos, sin = rope_tables(cfgs["denoiser"], rows, cols, 94)
     inputs = [("img", img), ("txt", txt), ("temb", temb), ("mask", None), ("cos", cos), ("sin", sin)]
     real = [(n, t) for n, t in inputs if t is not None]

@@ -16,10 +16,12 @@ from pathlib import Path
 from qic.errors import BundleError
 
 # Raise FORMAT_VERSION whenever a manifest gains a field that an older runtime would misread or silently ignore
-# (format 2: `layout`; a runtime before it would run a world-4 bundle on world 2). A qic older than the bundle
-# then refuses it with "upgrade qic" (read_manifest below, checked before any graph or weight is touched); one
-# newer than the bundle refuses it with "rebuild". A field an older runtime may safely ignore needs no bump.
-FORMAT_VERSION = 2
+# (format 2: `layout`; a runtime before it would run a world-4 bundle on world 2. Format 3: `family`, the model
+# family and its host program; a runtime before it would run any family's bundle as Qwen-Image's text-to-image).
+# A qic older than the bundle then refuses it with "upgrade qic" (read_manifest below, checked before any graph or
+# weight is touched); one newer than the bundle refuses it with "rebuild". A field an older runtime may safely
+# ignore needs no bump.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 
 

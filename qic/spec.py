@@ -38,18 +38,22 @@ class BuildSpec:
     backend: str = backends.NAMES[0]
     device: str = "cpu"
     tp: int = 1
+    # The model family (qic.family), picked by the model's model_index.json; the default model's by default.
+    family: str = field(default_factory=lambda: family.default().name)
     # Per component, in the family's order (qic.family: its definitions are read when a spec is made).
-    dtype: tuple[tuple[str, str], ...] = field(default_factory=lambda: tuple((c, "float32") for c in family.names()))
+    dtype: tuple[tuple[str, str], ...] = field(
+        default_factory=lambda: tuple((c, "float32") for c in family.names(family.default())))
     # (height, width); when not given, the model's own: the trained default's three, else 48x80
     resolutions: tuple[tuple[int, int], ...] = default_resolutions(None)
     text_buckets: tuple[int, ...] = (128,)         # text-encoder lengths, template included; (0,) = exact length
-    components: tuple[str, ...] = field(default_factory=family.names)
+    components: tuple[str, ...] = field(default_factory=lambda: family.names(family.default()))
     output: str = "artifacts/shapes"
     cache_dir: str = "artifacts/cache"
     # Looped (one compiled block over stacked weights) is the default: with inductor it compiled in 0.59x
     # the time at 4 blocks (0.31x at 16, flat with depth) and ran at 0.95-0.97x the step time of
     # unrolled (docs/benchmarks.md). Components without blocks (the VAE) ignore it.
-    layers: tuple[tuple[str, str], ...] = field(default_factory=lambda: tuple((c, "looped") for c in family.names()))
+    layers: tuple[tuple[str, str], ...] = field(
+        default_factory=lambda: tuple((c, "looped") for c in family.names(family.default())))
     full_hash: bool = False                        # hash checkpoint contents instead of trusting stat/blob ids
     # Merged over the checkpoint's scheduler_config.json (e.g. the Lightning recipe's shifts).
     scheduler: tuple[tuple[str, object], ...] = ()
@@ -78,7 +82,8 @@ class BuildSpec:
     # native at real width (docs/benchmarks.md, "CPU targets") and serves every machine of its level.
     cpu_target: str | None = None
     # Step caching: (first, last) blocks always computed; the split step graphs are built beside the whole-step
-    # ones (qic/models/step_cache.py). None: not built. (1, 0) is diffusers' FirstBlockCache, (8, 0) cache-dit's.
+    # ones (qic/models/qwen_image/step_cache.py). None: not built. (1, 0) is diffusers' FirstBlockCache, (8, 0)
+    # cache-dit's.
     step_cache: tuple[int, int] | None = None
     # More ranks per image (qic/parallel/mesh.py): Ulysses sequence parallelism over `ulysses` ranks, and
     # CFG-parallel (the cond and uncond rows on two rank groups); world = tp x ulysses x (2 if cfg_parallel).
@@ -178,32 +183,34 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         targets = "; ".join(f"{n}: {' or '.join(backends.info(n).DEVICES)}" for n in BACKENDS)
         raise ConfigError(f"{at('device')}: backend {backend!r} cannot target device {device!r} ({targets})")
     tp = _positive_int(raw.get("tp", d.tp), "tp", at("tp"))
-    known = family.names()
+    model = _optional_str(raw.get("model", d.model), "model", at("model"))
+    fam = model_family(model)
+    known = family.names(fam)
     components = _str_list(raw.get("components", list(known)), "components", at("components"))
     for c in components:
         _choice(c, known, "components", at("components"))
-    model = _optional_str(raw.get("model", d.model), "model", at("model"))
     resolutions = default_resolutions(model)
     spec = BuildSpec(
         model=model,
+        family=fam.name,
         backend=backend,
         device=device,
         tp=tp,
-        dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", at("dtype")),
+        dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", at("dtype"), known),
         resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
             raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
         text_buckets=(buckets := _buckets(raw, at)),
         components=tuple(c for c in known if c in components),
         output=_path(raw.get("output", d.output), "output", at("output")),
         cache_dir=_path(raw.get("cache_dir", d.cache_dir), "cache_dir", at("cache_dir")),
-        layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", at("layers")),
+        layers=_per_component(raw.get("layers", "looped"), LAYER_MODES, "layers", at("layers"), known),
         full_hash=_bool(raw.get("full_hash", d.full_hash), "full_hash", at("full_hash")),
         scheduler=_scheduler(_mapping(raw.get("scheduler"), "scheduler", at("scheduler")), at("scheduler")),
         defaults=(defaults := _defaults(_mapping(raw.get("defaults"), "defaults", at("defaults")), at("defaults"))),
         cfg=_cfg(raw.get("cfg"), dict(defaults), at("cfg")),
         loras=_loras(raw.get("loras") or [], at("loras")),
         compiler_args=_compiler_args(_mapping(raw.get("compiler_args"), "compiler_args", at("compiler_args")),
-                                     at("compiler_args")),
+                                     at("compiler_args"), known),
         lnc=_choice(_positive_int(raw.get("lnc", d.lnc), "lnc", at("lnc")), (1, 2), "lnc", at("lnc")),
         xla_check=_bool(raw.get("xla_check", d.xla_check), "xla_check", at("xla_check")),
         cache_from=_optional_str(raw.get("cache_from"), "cache_from", at("cache_from")),
@@ -367,10 +374,10 @@ def _defaults(value, source: str) -> tuple:
     return tuple(sorted((k, v) for k, v in value.items() if v is not None))
 
 
-def _compiler_args(value, source: str) -> tuple[tuple[str, str], ...]:
+def _compiler_args(value, source: str, known) -> tuple[tuple[str, str], ...]:
     """compiler_args: {component: "flags"} (neuron back end only)."""
     for comp, flags in value.items():
-        _choice(comp, family.names(), "compiler_args component", source)
+        _choice(comp, known, "compiler_args component", source)
         if not isinstance(flags, str):
             raise ConfigError(f"{source}: compiler_args.{comp} must be a string of flags, got {flags!r}")
     return tuple(sorted(value.items()))
@@ -473,9 +480,8 @@ def _choice(value, allowed, key, source):
     return value
 
 
-def _per_component(value, allowed, key, source) -> tuple[tuple[str, str], ...]:
+def _per_component(value, allowed, key, source, known) -> tuple[tuple[str, str], ...]:
     """One value for every component, or a mapping component -> value (others keep the default)."""
-    known = family.names()
     if isinstance(value, Mapping):
         for comp in value:
             _choice(comp, known, f"{key} component", source)
@@ -483,6 +489,18 @@ def _per_component(value, allowed, key, source) -> tuple[tuple[str, str], ...]:
         return tuple((c, _choice(value.get(c, default), allowed, f"{key}.{c}", source)) for c in known)
     _choice(value, allowed, key, source)
     return tuple((c, value) for c in known)
+
+
+def model_family(model: str | None) -> family.Family:
+    """The family of the model a spec names, by its model_index.json where that can be read without a download:
+    an embedded model (the embedded checkpoints' class), a local directory's file, a hub id's file in the local
+    hub cache. Otherwise (a directory without one, a hub repo not fetched yet) the default family: the checkpoint
+    reader reports a missing directory or file when the build resolves it, and the build checks that the fetched
+    checkpoint is of the family its spec was checked for (qic.builder.context)."""
+    from qic.builder.source import local_model_index
+
+    index = local_model_index(model)
+    return family.of_model_index(index) if index is not None else family.default()
 
 
 def with_changes(spec: BuildSpec, **changes) -> BuildSpec:

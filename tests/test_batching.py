@@ -49,8 +49,8 @@ def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
 def test_denoise_step_batch_of_two_is_two_single_steps_and_pairs_rows(models):  # noqa: F811 (fixture)
     """Eager DenoiseStep: text rows [cond 0, cond 1, uncond 0, uncond 1], guidance [2]. A batch regroups
     fp32 sums (rows per matmul), so the bound is test_mmdit's summation-order TOL on the update."""
-    from qic.models.mmdit import rope_tables
-    from qic.models.step import DenoiseStep
+    from qic.models.qwen_image.mmdit import rope_tables
+    from qic.models.qwen_image.step import DenoiseStep
     _, ours, config, grid = models
     latents, _ = _inputs(config, grid, 2, 5, seed=5)
     _, text = _inputs(config, grid, 4, 5, seed=6)

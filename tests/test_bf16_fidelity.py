@@ -88,7 +88,7 @@ def test_bf16_denoiser_forward_is_as_accurate_as_diffusers(halved_ckpt):
     from diffusers import QwenImageTransformer2DModel
 
     from qic.builder.eager import EagerModel
-    from qic.models.mmdit import rope_tables
+    from qic.models.qwen_image.mmdit import rope_tables
     from tests.helpers import rel_l2
     folder = str(halved_ckpt / "transformer")
     ref = QwenImageTransformer2DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()

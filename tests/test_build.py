@@ -59,8 +59,8 @@ def test_inspect_prints_a_layouts_rank_mapping_and_groups(bundle, tmp_path):
 
 def test_weight_shards_hold_the_checkpoint_tensors(bundle, tiny_ckpt):
     """Stage 1 output equals the checkpoint's tensors (renamed / sliced as the modules expect)."""
-    from qic.builder.qwen_image import COMPONENTS
     from qic.checkpoint.reader import Checkpoint
+    from qic.models.qwen_image.components import COMPONENTS
     ckpt = Checkpoint(tiny_ckpt)
     for name, comp in COMPONENTS.items():
         shard = load_file(str(bundle / "weights" / name / "rank0.safetensors"))

@@ -15,12 +15,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qic import family
-from qic.builder import qwen_image
 from qic.builder.graphs import GraphDef
 from qic.checkpoint.presets import preset
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
 from qic.graph_names import graph_name
+from qic.models.qwen_image import components as qwen_image
 from qic.spec import parse_spec
 
 TOY = "toy_encoder"   # the stand-in's name

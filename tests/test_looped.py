@@ -10,21 +10,19 @@ import pytest
 import torch
 
 from qic.backends.inductor.build import WeightsAsInputs
-from qic.builder.graphs import denoiser_graph
 from qic.checkpoint.presets import preset
 from qic.errors import CheckpointError
 from qic.models.common import RowLinear, load_weights
 from qic.models.looped import (
-    LoopedMMDiT,
-    LoopedTextEncoder,
     layer_name,
     stack_block_weights,
     stacked_name,
     unstack_block_weights,
 )
-from qic.models.mmdit import MMDiTConfig, QwenMMDiT, rope_tables
-from qic.models.step import DenoiseStep
-from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig
+from qic.models.qwen_image.graphs import denoiser_graph
+from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT, rope_tables
+from qic.models.qwen_image.step import DenoiseStep
+from qic.models.qwen_image.text_encoder import LoopedTextEncoder, QwenTextEncoder, TextEncoderConfig
 from tests.helpers import mmdit_bound, rel_l2, sensitize_, text_encoder_bound
 
 # Looped and unrolled, eager, under dynamo or exported, are bit-identical (torch.equal): each layer runs
@@ -85,11 +83,13 @@ def _ids(config, n=12, valid=9, seed=0):
 # ------------------------------------------------------------------------------------------ names
 
 def test_stacked_names():
-    assert stacked_name("transformer_blocks.12.attn.to_q.weight") == ("transformer_blocks.stacked.attn.to_q.weight", 12)
-    assert stacked_name("model.layers.3.mlp.down_proj.weight") == ("model.layers.stacked.mlp.down_proj.weight", 3)
+    both = ("transformer_blocks", "model.layers")   # the denoiser's and the text encoder's layer lists
+    assert stacked_name("transformer_blocks.12.attn.to_q.weight", both) == (
+        "transformer_blocks.stacked.attn.to_q.weight", 12)
+    assert stacked_name("model.layers.3.mlp.down_proj.weight", both) == ("model.layers.stacked.mlp.down_proj.weight", 3)
     for other in ("img_in.weight", "model.norm.weight", "model.embed_tokens.weight", "transformer_blocks.x.a",
                   "decoder.up_blocks.0.resnets.0.conv1.weight", "transformer_blocks.stacked.attn.to_q.weight"):
-        assert stacked_name(other) is None, other
+        assert stacked_name(other, both) is None, other
     assert stacked_name("model.layers.3.mlp.up_proj.weight", "transformer_blocks") is None
     assert layer_name("model.layers.stacked.mlp.up_proj.weight", 5) == "model.layers.5.mlp.up_proj.weight"
 

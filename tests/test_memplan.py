@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from benchmarks.peak import measure
 from qic.builder.memplan import DEFAULT_COMPILE_SECONDS, estimate_graph, plan_memory, weight_bytes
-from qic.builder.qwen_image import COMPONENTS
 from qic.builder.source import resolve_configs
 from qic.checkpoint.presets import preset
 from qic.cli import main
+from qic.models.qwen_image.components import COMPONENTS
 from qic.spec import parse_spec
 from tests.conftest import BUCKETS, TINY_RES, qic
 

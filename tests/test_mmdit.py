@@ -11,8 +11,8 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from qic.checkpoint.presets import preset
 from qic.errors import CheckpointError, ConfigError
 from qic.models.common import load_weights
-from qic.models.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict, rope_tables
-from qic.models.step import DenoiseStep
+from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict, rope_tables
+from qic.models.qwen_image.step import DenoiseStep
 from tests.helpers import mmdit_bound, rel_l2, sensitize_
 
 TOL = max(mmdit_bound("tiny"), mmdit_bound("tiny-alt"))  # fp32 summation-order bound, ~2.9e-5

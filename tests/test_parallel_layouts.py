@@ -33,7 +33,7 @@ LAYOUTS = [Layout(1, 1, 2), Layout(1, 2, 1), Layout(2, 2, 1), Layout(2, 1, 2), L
 
 
 def _image(root: str, layout: Layout | None, rank: int, guidance: float, broken: str | None = None):
-    import qic.models.ulysses as U
+    import qic.models.qwen_image.ulysses as U
     import qic.parallel.sequence as S
     from qic.builder.eager import EagerModel
     from qic.runtime.generate import Request, generate
@@ -180,8 +180,8 @@ def test_lowered_layout_on_xla_cpu_and_plan_bytes(layout):
     one rank's piece) is a hundred times off; and the bytes of every collective kind equal `qic plan`'s count
     from fake tensors."""
     from qic.builder.memplan import step_traffic
-    from qic.builder.qwen_image import COMPONENTS
     from qic.checkpoint import presets
+    from qic.models.qwen_image.components import COMPONENTS
     from tests.helpers import mmdit_bound
     proc = xla("-m", "benchmarks.xla_lowering", "layout", layout.tp, layout.ulysses, layout.cfg,
                env={"CPU_NUM_DEVICES": str(layout.world)})

@@ -9,8 +9,8 @@ import torch
 
 from benchmarks.realwidth import CONFIGS, reduced_configs
 from qic.builder.components import expected_tensors
-from qic.builder.qwen_image import COMPONENTS
 from qic.checkpoint import embedded
+from qic.models.qwen_image.components import COMPONENTS
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Issue 21: step caching. The step split in head / middle / tail graphs (qic/models/step_cache.py), the
+"""Issue 21: step caching. The step split in head / middle / tail graphs (qic/models/qwen_image/step_cache.py), the
 decisions of diffusers' FirstBlockCache and cache-dit's DBCache (qic/host/cache_policy.py), through
 `qic build --step-cache`, `qic run --cache-*`, `qic serve` batches, TP and the neuron lowering.
 
@@ -86,10 +86,10 @@ def fbc_bundle(bundle, workdir, cache_dir, tiny_ckpt):
 def test_split_parts_are_the_whole_step():
     """Eager, looped and unrolled: head -> mid -> tail with every row computed equals the whole-step graph
     bit for bit; the cached path fed this step's own residuals equals it to fp32 rounding."""
-    from qic.builder.graphs import denoiser_graph, step_part_graph
     from qic.models.common import load_weights
-    from qic.models.looped import LoopedMMDiT, stack_block_weights
-    from qic.models.mmdit import MMDiTConfig, QwenMMDiT
+    from qic.models.looped import stack_block_weights
+    from qic.models.qwen_image.graphs import denoiser_graph, step_part_graph
+    from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT
     from tests.helpers import mmdit_bound, rel_l2, sensitize_
     p = preset("tiny")["transformer"] | {"num_layers": 4}
     config = MMDiTConfig.from_dict(p)

@@ -35,7 +35,7 @@ def _images(rank: int, world: int, root: str, layout: Layout, guidance: float, s
     from qic.builder.eager import EagerModel
     from qic.runtime.generate import Request, generate_batch
     if broken == "shard figure":   # each rank's figure from its own tokens: no sum over the sequence group
-        import qic.models.ulysses as U
+        import qic.models.qwen_image.ulysses as U
         U.UlyssesShard.relative_l1 = lambda self, r, p, n, sp: ((r - p).abs().mean((1, 2)) / p.abs().mean((1, 2)))
     elif broken == "one branch decides":   # the cond group's figures decide for the uncond rows too
         import qic.runtime.step_cache as S

@@ -11,7 +11,7 @@ import torch
 from qic.checkpoint.presets import preset
 from qic.errors import CheckpointError, ConfigError
 from qic.models.common import load_weights
-from qic.models.text_encoder import (
+from qic.models.qwen_image.text_encoder import (
     QwenTextEncoder,
     TextEncoderConfig,
     text_encoder_state_dict,

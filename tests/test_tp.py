@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from qic.builder.qwen_image import COMPONENTS
 from qic.builder.shard import shard_component
 from qic.checkpoint.presets import TOKENIZER_VOCAB, preset
 from qic.checkpoint.reader import Checkpoint
 from qic.errors import ConfigError
-from qic.models.mmdit import MMDiTConfig, QwenMMDiT, rope_tables
-from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig
-from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig
+from qic.models.qwen_image.components import COMPONENTS
+from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT, rope_tables
+from qic.models.qwen_image.text_encoder import QwenTextEncoder, TextEncoderConfig
+from qic.models.qwen_image.vae_decoder import QwenVAEDecoder, VAEConfig
 from qic.parallel import plans
 from qic.parallel import tp as T
 from tests.helpers import rel_l2, sensitize_
@@ -243,7 +243,7 @@ def _rank_compiled(rank: int, tp: int, files: dict, workdir: str) -> dict:
     from qic.backends.inductor.build import InductorBackend
     from qic.backends.inductor.load import load
     from qic.builder.compile import compile_graph, graph_key_from
-    from qic.builder.graphs import text_encoder_graph
+    from qic.models.qwen_image.graphs import text_encoder_graph
     from qic.weights import named_tensors
 
     work = Path(workdir)

@@ -14,7 +14,7 @@ from qic.errors import CheckpointError, ConfigError
 from qic.host.latents import pack as pack_latents
 from qic.host.latents import unpack
 from qic.models.common import load_weights
-from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
+from qic.models.qwen_image.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
 
 SIZES = {"tiny": (48, 80), "tiny-alt": (40, 24)}  # (height, width), non-square on purpose

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from qic import __version__
+from qic import __version__, family
 from qic.cache import layout
 from qic.checkpoint.reader import TOKENIZER_FILES
 from qic.fsutil import link_or_copy, make_temp_dir, replace_dir, sweep_stale
-from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.manifest import MANIFEST, file_entry, finalize
 
 
@@ -77,7 +76,7 @@ def _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out:
                 # The machine it was compiled for (from the cache, maybe not this one): the runtime checks it.
                 "target": meta["backend"].get("target"),
             })
-        vae, den = ctx.configs["vae_decoder"], ctx.configs["denoiser"]
+        fields = getattr(family.components_module(), "manifest_fields", None)
         manifest = finalize({
             "build_key": build_key,
             "versions": {"qic": __version__, "torch": torch.__version__},
@@ -87,22 +86,15 @@ def _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out:
             # Ranks per image (qic/parallel/mesh.py): world = tp x ulysses x cfg; tp shard files serve every world.
             "layout": spec.layout.as_dict(),
             "model": {"id": ctx.ckpt.model_id, "digest": digest},
+            # Which family built it and the host program that runs it (qic.runtime.programs imports it by name)
+            "family": {"name": ctx.family.name, "host": ctx.family.host},
             "dtypes": dict(spec.dtype),
             "components": list(spec.components),
-            "resolutions": [list(r) for r in spec.resolutions],
-            "text_buckets": list(spec.text_buckets),
-            "cfg": list(spec.cfg) if "denoiser" in spec.components else [],  # step graphs: True CFG, False no-CFG
-            "batch_sizes": list(spec.batch_sizes),           # images per graph call the graphs exist for
-            "prompt": {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
-            "tokenizer": "tokenizer",
-            "scheduler": ctx.scheduler,                       # the checkpoint's, overrides applied
-            "scheduler_overrides": dict(spec.scheduler),
-            "defaults": dict(spec.defaults),
-            # Step caching's split graphs are in: blocks always computed first and last (qic/models/step_cache.py)
-            "step_cache": dict(zip(("first", "last"), spec.step_cache)) if spec.step_cache else None,
+            "tokenizer": "tokenizer" if ctx.tokenizer is not None else None,
+            "defaults": dict(spec.defaults),                  # run defaults of the build config
             "loras": [{"file": Path(lo.path).name, "sha256": lo.digest, "scale": lo.scale} for lo in ctx.loras],
-            "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
-                        "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
+            # The family's own fields (Qwen-Image: resolutions, buckets, prompt, scheduler, latents, ...)
+            **(fields(spec, ctx) if fields is not None else {}),
             "graphs": graphs,
             **backend.bundle_fields(graphs),
             "files": {f: file_entry(tmp, f) for f in sorted(files)},

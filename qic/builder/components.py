@@ -1,20 +1,19 @@
 """The builder's helpers over a component's definition (qic.family.Component; Qwen-Image's are in
-qic.builder.qwen_image): the code that keys its shards, and the tensors one rank's module holds."""
+qic.models.qwen_image.components): the code that keys its shards, and the tensors one rank's module holds."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
 
 from qic.family import Component
 
-_MODELS = Path(__file__).resolve().parent.parent / "models"
-
 
 def source_digest(component: Component) -> bytes:
-    """The code that decides a component's converted weights, for shard cache keys."""
-    return b"".join((_MODELS / f).read_bytes() for f in component.sources)
+    """The code that decides a component's converted weights (its `sources` modules' bytes), for shard keys."""
+    return b"".join(Path(importlib.util.find_spec(m).origin).read_bytes() for m in component.sources)
 
 
 def expected_tensors(component: Component, config, tp_size: int, looped: bool = False) -> dict[str, tuple[int, ...]]:

@@ -8,11 +8,9 @@ from pathlib import Path
 from qic import family
 from qic.builder.components import expected_tensors
 from qic.builder.lora import load_lora
-from qic.builder.source import resolve_model
-from qic.errors import ConfigError, warn
-from qic.host.latents import check_resolution
-from qic.host.prompt import DROP_TOKENS, TEMPLATE
-from qic.host.schedule import check_scheduler_config, merge_scheduler
+from qic.builder.source import check_family, resolve_model
+from qic.errors import ConfigError
+from qic.host.schedule import merge_scheduler
 from qic.spec import BuildSpec
 from qic.tokenizer import load_tokenizer
 
@@ -29,37 +27,24 @@ class Context:
         self.cache = Path(spec.cache_dir)
         self.output = Path(spec.output)
         self.ckpt = resolve_model(spec.model, self.cache, configs_only=configs_only)
+        # The family the checkpoint's model_index.json picks: its components are what the stages look up.
+        self.family = family.use(check_family(spec, self.ckpt))
         self.raw = {f: self.ckpt.config(f) for f in family.folders()}
-        self.scheduler = merge_scheduler(self.ckpt.config("scheduler"), dict(spec.scheduler))
+        # A family without a scheduler (or a tokenizer) has none in its checkpoint; its own checks say when it
+        # needs one (Qwen-Image's validate: qic/models/qwen_image/components.py).
+        has_scheduler = (self.ckpt.root / "scheduler").is_dir()
+        self.scheduler = merge_scheduler(self.ckpt.config("scheduler"), dict(spec.scheduler)) if has_scheduler else None
         self.configs = {name: c.parse_config(self.raw[c.folder]) for name, c in family.components().items()}
         has_tokenizer = self.ckpt.tokenizer_dir.is_dir()
-        self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir) if has_tokenizer or not configs_only else None
+        self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir) if has_tokenizer else None
         self.loras = ()    # checked by validate()
 
 
 def validate(spec: BuildSpec, ctx: Context) -> None:
     """Every error a build can know of before it writes anything."""
-    check_scheduler_config(ctx.scheduler)
-    vae = ctx.configs["vae_decoder"]
-    for h, w in spec.resolutions:
-        check_resolution(h, w, vae.scale_factor)
-    if ctx.tokenizer is not None:
-        template_len = len(ctx.tokenizer.encode(TEMPLATE.format("")).ids)
-        what = f"the prompt template ({template_len} tokens with an empty prompt)"
-    else:
-        # Configs without a tokenizer (e.g. the published Qwen-Image configs): the template's length is
-        # unknown, but the encoder output drops its first DROP_TOKENS, so a bucket must exceed that for
-        # the denoiser's graphs to exist at all. The build with the tokenizer checks the exact bound.
-        template_len, what = DROP_TOKENS, f"the {DROP_TOKENS} template tokens the denoiser drops"
-        if any(spec.text_buckets):
-            warn(f"{ctx.ckpt.root}: no tokenizer, so text buckets are checked only against the {DROP_TOKENS} "
-                 "dropped template tokens, not the template's full length (a build with the tokenizer checks it)")
-    for b in spec.text_buckets:
-        if b and b <= template_len:
-            raise ConfigError(f"text bucket {b} is too small for {what}; use buckets > {template_len}")
-    if "denoiser" in spec.components and not spec.layout.plain:
-        from qic.parallel.sequence import check_layout
-        check_layout(spec.layout, ctx.configs["denoiser"].num_attention_heads)
+    hook = getattr(family.components_module(), "validate", None)
+    if hook is not None:   # the family's own checks (its resolutions, buckets, scheduler, tokenizer, layouts)
+        hook(spec, ctx)
     for name in spec.components:
         expected_tensors(family.component(name), ctx.configs[name], tp_of(name, spec.tp))  # raises naming head counts
     if spec.loras:
@@ -83,4 +68,7 @@ def tp_of(component: str, tp: int) -> int:
 
 def lora_target() -> family.Component:
     """The component LoRAs merge into (its definition's lora_target)."""
-    return next(c for c in family.components().values() if c.lora_target)
+    found = next((c for c in family.components().values() if c.lora_target), None)
+    if found is None:
+        raise ConfigError(f"the {family.current().name} family takes no LoRAs", "drop --lora")
+    return found

@@ -57,6 +57,7 @@ class EagerModel:
         step caching only with step_cache."""
         self.cfg_modes, self.batch_sizes = tuple(cfg), batch_sizes   # before `cfg` names a component's config
         self.ckpt = Checkpoint(Path(root))
+        family.use(family.of_model_index(self.ckpt.root / "model_index.json"))   # its components: the stages'
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
         self.resolutions = [tuple(r) for r in resolutions]
         self.buckets = list(buckets)

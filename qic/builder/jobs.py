@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +25,18 @@ from qic.graph_names import graph_name
 # Config entries that say which tool wrote a file, not what the graph computes: a checkpoint variant saved by
 # another diffusers/transformers (Qwen-Image-2512 vs Qwen-Image) keeps the spec key, so it exports nothing.
 PROVENANCE_KEYS = ("_diffusers_version", "_name_or_path", "transformers_version", "_commit_hash")
-# Where the code that shapes a graph starts: the graph makers, the family's component definitions (their
-# shapes, graph makers and TP tables: loaded by name, so no import leads here), the models, TP's rewrite
-# (applied before export) and every back end's build half. What they import, at any depth and inside functions
-# too, is found by code_files(), so a module they come to use is keyed without anyone listing it.
-CODE_ROOTS = ("qic.builder.graphs", family.FAMILY, "qic.models", "qic.parallel.tp", "qic.parallel.sequence",
-              "qic.backends")
+# Where the code that shapes a graph starts: the graph makers, the models, TP's rewrite (applied before export),
+# every back end's build half, and the family's component definitions (their shapes, graph makers and TP
+# tables: loaded by name, so no import leads there; roots() adds the family being built). What they import, at
+# any depth and inside functions too, is found by code_files(), so a module they come to use is keyed without
+# anyone listing it.
+CODE_ROOTS = ("qic.builder.graphs", "qic.models", "qic.parallel.tp", "qic.parallel.sequence", "qic.backends")
 _QIC = Path(__file__).resolve().parent.parent
+
+
+def roots() -> tuple[str, ...]:
+    """CODE_ROOTS and the components module of the family being built (qic.family.use)."""
+    return (CODE_ROOTS[0], family.current().components, *CODE_ROOTS[1:])
 
 
 @dataclass
@@ -47,44 +53,67 @@ class GraphJob:
 def code_digest() -> str:
     """The spec keys' digest of qic's graph-shaping code: every file code_files() finds; edits invalidate."""
     h = hashlib.sha256(__version__.encode())
-    for f in code_files():
-        h.update(f.relative_to(_QIC).as_posix().encode() + b"\0" + f.read_bytes())
+    for f in code_files(roots()):
+        h.update(_label(f).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
 @functools.cache
-def code_files() -> tuple[Path, ...]:
-    """The source files of CODE_ROOTS (a package: all its modules) and of every qic module they import."""
+def code_files(roots: tuple[str, ...] | None = None) -> tuple[Path, ...]:
+    """The source files of `roots` (default CODE_ROOTS; a package: all its modules) and of every qic module, or
+    module of a family outside qic, that they import."""
+    roots = CODE_ROOTS if roots is None else roots
+    outside = {n.split(".")[0] for n in roots if n.split(".")[0] != "qic"}
     seen: set[Path] = set()
-    todo = [f for root in CODE_ROOTS for f in _module_files(root)]
+    todo = [f for root in roots for f in _module_files(root, roots, outside)]
     while todo:
         f = todo.pop()
         if f in seen:
             continue
         seen.add(f)
         for name in _imported(f):
-            todo += _module_files(name)
+            todo += _module_files(name, roots, outside)
     return tuple(sorted(seen))
 
 
-def _module_files(name: str) -> list[Path]:
-    """The file(s) of a qic module or package (its __init__ and, for a package named as a root, all of it);
-    [] for what is not qic's, or is a name inside a module (`from qic.x import y`, y not a module)."""
+def _label(f: Path) -> str:
+    """A file's name in the digest: its path in qic, or in the top package of a family outside qic."""
+    if f.is_relative_to(_QIC):
+        return f.relative_to(_QIC).as_posix()
+    top = next(p for p in f.parents if not (p / "__init__.py").is_file())
+    return "family:" + f.relative_to(top).as_posix()
+
+
+def _top(package: str) -> Path | None:
+    if package == "qic":
+        return _QIC
+    spec = importlib.util.find_spec(package)
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
+def _module_files(name: str, roots: tuple[str, ...] = (), outside: set[str] = frozenset()) -> list[Path]:
+    """The file(s) of a qic module or package (its __init__ and, for a package named as a root, all of it), or
+    of one under a family's top package outside qic (`outside`); [] for anything else, or a name inside a
+    module (`from qic.x import y`, y not a module)."""
     parts = name.split(".")
-    if parts[0] != "qic":
+    if parts[0] != "qic" and parts[0] not in outside:
         return []
-    base = _QIC.joinpath(*parts[1:])
+    top = _top(parts[0])
+    if top is None:
+        return []
+    base = top.joinpath(*parts[1:])
     if base.with_suffix(".py").is_file():
         return [base.with_suffix(".py")]
     if (base / "__init__.py").is_file():
-        return sorted(base.rglob("*.py")) if name in CODE_ROOTS else [base / "__init__.py"]
+        return sorted(base.rglob("*.py")) if name in roots else [base / "__init__.py"]
     return []
 
 
 def _imported(path: Path) -> set[str]:
     """Every module an import statement in the file names (`from a import b`: a, and a.b if b is a module)."""
     out = set()
-    package = ".".join(("qic", *path.relative_to(_QIC).with_suffix("").parts))
+    package = _label(path).removeprefix("family:").removesuffix(".py").replace("/", ".")
+    package = package if not path.is_relative_to(_QIC) else "qic." + package
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_bytes())):
@@ -138,7 +167,7 @@ def _maker(component: str, configs: dict, shape: dict, dtype: str, layout):
 def graph_shapes(spec) -> list[tuple[str, dict]]:
     """(component, shape) for every graph the spec asks for, in build order: each component's own shapes
     (qic.family.Component.graph_shapes), components in the family's order."""
-    return [(name, shape) for name, comp in family.components().items() if name in spec.components
+    return [(name, shape) for name, comp in family.components(spec.family).items() if name in spec.components
             for shape in comp.graph_shapes(spec)]
 
 

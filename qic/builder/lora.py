@@ -69,7 +69,7 @@ def load_lora(path: str | Path, scale: float, weights: Mapping) -> Lora:
         module, role = _parse_key(key, flat, path)
         if f"{module}.weight" not in weights:
             raise ConfigError(f"{path}: LoRA key {key!r} names module {module!r}, which the checkpoint's "
-                              "transformer does not have", "use a LoRA trained for this model (Qwen-Image)")
+                              "transformer does not have", "use a LoRA trained for this model")
         m = modules.setdefault(module, _Module())
         m.keys.append(key)
         if role == "alpha":

@@ -286,7 +286,9 @@ def step_traffic(configs: dict, layout, dtype: str, shape: dict) -> dict:
 def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, jobs: list | None = None) -> MemoryPlan:
     """The plan for a build spec, given parsed component configs (and the raw ones, for spec keys). `jobs`:
     the build's own planned jobs (qic.builder.jobs.plan_jobs), so a build keys its graphs once."""
-    for h, w in spec.resolutions:  # the build's own check, so a bad size fails as it would there
+    # The build's own check (Qwen-Image's, by its VAE's scale), so a bad size fails as it would there. The step
+    # traffic below is Qwen-Image's denoiser's by name too: a family without those components plans without them.
+    for h, w in spec.resolutions if "vae_decoder" in configs else ():
         check_resolution(h, w, configs["vae_decoder"].scale_factor)
     plan = MemoryPlan(spec.tp)
     records = _compile_records(Path(cache_dir) if cache_dir else None)

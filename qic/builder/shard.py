@@ -173,7 +173,7 @@ def _groups(entries: list[_Entry], component: Component, config, tp: int, looped
     stacks: dict[str, list] = {}
     groups = []
     for e in entries:
-        hit = stacked_name(e.name)
+        hit = stacked_name(e.name, component.blocks)
         if hit is None:
             groups.append(_Group(e.name, (e,), False))
         else:

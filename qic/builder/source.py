@@ -67,9 +67,35 @@ def _from_hub(repo_id: str, patterns: list[str] = _HUB_PATTERNS) -> Path:
                               "check the id, your network, or pass a local directory") from None
 
 
+def local_model_index(model: str | None) -> Path | None:
+    """The model_index.json of a model where it is on this machine without a download: a local directory's, or
+    a hub id's in the local hub cache; None for an embedded model (its class: qic.checkpoint.presets), or where
+    there is none to read yet."""
+    if model is None or model.startswith(EMBEDDED_PREFIX):
+        return None
+    if not is_hub_id(model):
+        index = Path(model).expanduser() / "model_index.json"
+        return index if index.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+    found = try_to_load_from_cache(model, "model_index.json")
+    return Path(found) if isinstance(found, str) else None
+
+
+def check_family(spec, ckpt: Checkpoint) -> family.Family:
+    """The family of the resolved checkpoint (its model_index.json), which must be the one the spec was checked
+    for: they differ only where the spec was read before the checkpoint was fetched (qic.spec.model_family)."""
+    fam = family.of_model_index(ckpt.root / "model_index.json")
+    if fam.name != spec.family:
+        raise CheckpointError(f"{display_name(spec.model)}: its model_index.json is of the {fam.name} family, but "
+                              f"the build config was checked as {spec.family}'s before the checkpoint was fetched",
+                              "run the command again: the checkpoint is now fetched and its family known")
+    return fam
+
+
 def resolve_configs(model: str | None, cache_dir: Path) -> tuple[dict, dict]:
-    """(parsed config per component, raw config per checkpoint folder), reading configs only: an embedded
-    preset, a local directory (weights not needed), or a hub id (only its config files are fetched)."""
+    """(parsed config per component, raw config per checkpoint folder) of the family being built (qic.family.use),
+    reading configs only: an embedded preset, a local directory (weights not needed), or a hub id (only its
+    config files are fetched)."""
     from qic.checkpoint.presets import PRESETS, preset
 
     if model is None or model.startswith(EMBEDDED_PREFIX):

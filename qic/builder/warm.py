@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+from qic import family
 from qic.backends import NAMES, backend_for, info
 from qic.builder.binding import compile_job
 from qic.builder.context import Context, validate
@@ -135,6 +136,7 @@ def run_jobs(jobs: list[PlannedJob], dry_run: bool = False, sign_key: str | None
     rows = []
     for pj in jobs:
         job, ctx = pj.job, pj.ctx
+        family.use(ctx.family)   # a matrix may name models of several families: each job compiles with its own
         row = WarmRow(job.job_id, job.name, pj.model, "")
         t0 = time.perf_counter()
         if dry_run:

@@ -55,8 +55,8 @@ import torch
 from safetensors.torch import save_file
 
 from qic.checkpoint import presets as _presets
-from qic.checkpoint.tensor_names import text_encoder_tensors, transformer_tensors, vae_tensors
 from qic.errors import CheckpointError
+from qic.models.qwen_image.tensor_names import text_encoder_tensors, transformer_tensors, vae_tensors
 from qic.tokenizer import (
     QWEN2_PRETOKENIZE_REGEX,
     added_token_entry,
@@ -74,7 +74,7 @@ VAE_KERNEL_SCALE: tuple[tuple[str, float], ...] = (
 )
 
 MODEL_INDEX = {
-    "_class_name": "QwenImagePipeline",
+    "_class_name": _presets.PIPELINE_CLASS,
     "_diffusers_version": "0.34.0.dev0",
     "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
     "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],

@@ -92,7 +92,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_conf
 
 
 class Checkpoint:
-    """A diffusers-layout Qwen-Image directory (model_index.json + component folders)."""
+    """A diffusers-layout checkpoint directory (model_index.json + component folders)."""
 
     def __init__(self, root: Path, model_id: str | None = None):
         self.root = Path(root)
@@ -134,7 +134,9 @@ class Checkpoint:
         """
         components = family.folders() if components is None else tuple(components)
         h = hashlib.sha256(b"qic-checkpoint-digest-v1")
-        files = [self.root / "model_index.json", self.root / "scheduler" / "scheduler_config.json"]
+        # A family without a scheduler has no scheduler folder (Qwen-Image's always has one).
+        scheduler = self.root / "scheduler" / "scheduler_config.json"
+        files = [self.root / "model_index.json"] + ([scheduler] if scheduler.exists() else [])
         for comp in components:
             files.append(self.root / comp / "config.json")
         for comp in components:

@@ -24,8 +24,12 @@ def run_inspect(bundle: str, full: bool = False) -> None:
     out.print(f"model {manifest['model']['id']}  digest {manifest['model']['digest'][:16]}")
     out.print(f"built with qic {manifest['versions']['qic']}, torch {manifest['versions']['torch']}; "
               f"back end {manifest['backend']['backend']} on {manifest['device']}, tp {manifest['tp']}")
-    resolutions = ", ".join("{}x{}".format(*r) for r in manifest["resolutions"])
-    out.print(f"dtypes {manifest['dtypes']}; resolutions {resolutions}; text buckets {manifest['text_buckets']}")
+    fam = manifest.get("family") or {}
+    out.print(f"family {fam.get('name')}, host program {fam.get('host')}")
+    # What the family records beside its graphs (text-to-image: resolutions and text buckets)
+    resolutions = ", ".join("{}x{}".format(*r) for r in manifest.get("resolutions", []))
+    out.print(f"dtypes {manifest['dtypes']}; resolutions {resolutions or '-'}"
+              + (f"; text buckets {manifest['text_buckets']}" if "text_buckets" in manifest else ""))
     layout = Layout.of_manifest(manifest)
     if not layout.plain:
         groups = "; ".join(f"{a} groups {layout.groups(a)}" for a in AXES if layout.size(a) > 1)

@@ -12,6 +12,7 @@ from qic.cli.tables import size, wide_console
 
 def run_plan(config, overrides) -> None:
     """CONFIG may be a YAML build config or a checkpoint directory (configs alone are enough)."""
+    from qic import family
     from qic.builder.memplan import plan_memory
     from qic.builder.source import resolve_configs
     from qic.spec import load_spec
@@ -23,6 +24,7 @@ def run_plan(config, overrides) -> None:
                               "pass one of them")
         config, overrides = None, {**overrides, "model": str(config)}
     spec = load_spec(config, overrides)
+    family.use(spec.family)
     configs, raw = resolve_configs(spec.model, Path(spec.cache_dir))
     print_plan(plan_memory(spec, configs, raw, Path(spec.cache_dir)), model_name(spec.model), wide_console())
 

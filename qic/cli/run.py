@@ -12,9 +12,9 @@ from qic.host.cache_policy import computed_line
 from qic.host.options import BY_NAME, FLAG, LINE, given_at
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
-from qic.runtime.generate import Request, generate
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 from qic.runtime.png import save_png
+from qic.runtime.programs import program_of
 
 _OPTION_KEYS = tuple(o.name for o in given_at(FLAG))   # qic.host.options: the per-image flags and line keys
 _LINE_KEYS = tuple(o.name for o in given_at(LINE))
@@ -97,8 +97,9 @@ def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, res
     if resident:
         p = Path(output)
         output = str(p.with_name(f"{p.stem}-{index:03d}{p.suffix or '.png'}"))
-    req = Request(**{k: v for k, v in opts.items() if k in Request.__dataclass_fields__})
-    result = generate(bundle, req)
+    program = program_of(bundle.manifest)   # the bundle's family's host program (qic.runtime.programs)
+    req = program.Request(**{k: v for k, v in opts.items() if k in program.Request.__dataclass_fields__})
+    result = program.generate(bundle, req)
     if not lead:
         return
     t = time.perf_counter()
@@ -106,13 +107,10 @@ def _one(bundle: Bundle, opts: dict, index: int, load: float, verbose: bool, res
     result.timings["save"] = time.perf_counter() - t
     print(f"wrote {path}")
     if verbose:
-        steps = [v for k, v in result.timings.items() if k.startswith("step")]
-        parts = [f"load {load:.3f}s", f"tokenize {result.timings['tokenize']:.3f}s",
-                 f"encode {result.timings['encode']:.3f}s"]
-        parts += [f"step{i} {s:.3f}s" for i, s in enumerate(steps)]
-        parts += [f"decode {result.timings['decode']:.3f}s", f"save {result.timings['save']:.3f}s"]
+        # Stages as the program ran them (text-to-image: tokenize, encode, step<i>..., decode), then save.
+        parts = [f"load {load:.3f}s"] + [f"{k} {v:.3f}s" for k, v in result.timings.items()]
         print("timing: " + ", ".join(parts))
-        if result.computed is not None:
+        if getattr(result, "computed", None) is not None:
             print("step cache: " + computed_line(result.computed, req.steps))
 
 

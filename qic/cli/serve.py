@@ -14,8 +14,10 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from qic.errors import ConfigError, QicError
+from qic.manifest import read_manifest
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 
 # Sent by the parent to the ranks still running when one fails; its default action ends the followers,
@@ -23,10 +25,23 @@ from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 PEER_DIED = signal.SIGUSR1
 
 
+SERVES = "qic.runtime.generate"   # the host program the image endpoints are made of: text-to-image
+
+
+def _check_servable(manifest: dict) -> None:
+    """The endpoints are the text-to-image program's requests (qic.serve.runner): a bundle whose family runs
+    another host program is refused in one line, before any rank starts."""
+    host = (manifest.get("family") or {}).get("host")
+    if host != SERVES:
+        raise ConfigError(f"qic serve serves text-to-image bundles ({SERVES}); this bundle's host program is {host}",
+                          "run it with `qic run`")
+
+
 def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, load: dict | None = None) -> None:
     """load: how the bundle is loaded, as `qic run` takes it (device, weights_from, verify_all: Bundle's)."""
     load = {k: v for k, v in (load or {}).items() if v is not None}
     ranks = bundle_world(bundle_path, tp, "serve")
+    _check_servable(read_manifest(Path(bundle_path)))
     if torchrun_world() is not None:
         raise ConfigError("qic serve starts its own ranks; do not launch it with torchrun",
                           f"run `qic serve {bundle_path}` (it starts the bundle's {ranks} ranks)")

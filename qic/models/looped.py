@@ -1,6 +1,11 @@
-"""Depth-independent forms of the denoiser and the text encoder: one device-side loop over stacked layers.
+"""Depth-independent forms of layer-list models: one device-side loop over stacked layers.
 
-`QwenMMDiT` and `QwenTextEncoder` hold one module per layer, so an exported graph holds L copies of the
+Shared by every family (it stays in qic/models/, not in a family folder): any transformer whose layers are a
+list of identical modules loops the same way. Qwen-Image's denoiser and text encoder subclass their unrolled
+models with it (qic/models/qwen_image/mmdit.py and text_encoder.py); a component names its layer list's prefix
+in its definition (qic.family.Component.blocks), which the shard stage stacks by.
+
+`QwenMMDiT` and `QwenTextEncoder` (for instance) hold one module per layer, so an exported graph holds L copies of the
 layer and compile time and artifact size grow with depth (60 blocks at 1024 px also exceed the 2 GB
 protobuf limit of an XLA/Neuron graph). Here the L layers' tensors are stacked into one tensor of shape
 [L, ...] per layer-local name, and the layers run as `torch._higher_order_ops.scan` over those stacks:
@@ -12,7 +17,7 @@ row i of the stacked tensor `<prefix>.stacked.<rest>`:
     transformer_blocks.7.attn.to_q.weight           -> transformer_blocks.stacked.attn.to_q.weight [L, ...]
     model.layers.3.mlp.down_proj.weight              -> model.layers.stacked.mlp.down_proj.weight   [L, ...]
 
-Every other tensor keeps its name. `stacked_name(name)` maps one name (the shard stage streams tensors:
+Every other tensor keeps its name. `stacked_name(name, prefix)` maps one name (the shard stage streams tensors:
 it writes each stacked tensor as the concatenation of its L slices in layer order, slice i at byte
 offset i * slice_bytes); `stack_block_weights` / `unstack_block_weights` convert whole state dicts.
 Under tensor parallelism the stacked dim 0 is the layer index, so a per-layer split dim d becomes d + 1
@@ -43,10 +48,10 @@ with the invariants closed over (dynamo lifts them into additional_inputs itself
 AOTInductor (CPU) lowers the scan to a C++ while loop around one compiled body that reads layer i's
 weights as strided views of the stacks (offset i * slice size): no per-layer copies.
 
-`LoopedMMDiT` / `LoopedTextEncoder` subclass the unrolled models and replace their layer list by one
-`StackedLayers`; iterating a StackedLayers yields itself once, as a single callable that applies all L
-layers, so the unrolled models' own forward (`for block in self.transformer_blocks: ...`) runs the scan
-unchanged: embedding, mask and output code exist once.
+A looped model (Qwen-Image's `LoopedMMDiT` / `LoopedTextEncoder`) subclasses the unrolled one and replaces
+its layer list by one `StackedLayers`; iterating a StackedLayers yields itself once, as a single callable
+that applies all L layers, so the unrolled model's own forward (`for block in self.transformer_blocks: ...`)
+runs the scan unchanged: embedding, mask and output code exist once.
 """
 
 from __future__ import annotations
@@ -61,31 +66,23 @@ from torch import nn
 from torch._higher_order_ops.scan import scan, scan_op
 
 from qic.errors import CheckpointError
-from qic.models.mmdit import MMDiTConfig, QwenMMDiT
-from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig
 
 STACKED = "stacked"
-# Layer-list prefixes of the unrolled models (module names, after any checkpoint renaming).
-MMDIT_PREFIX = "transformer_blocks"
-TEXT_ENCODER_PREFIX = "model.layers"
-BLOCK_PREFIXES = (MMDIT_PREFIX, TEXT_ENCODER_PREFIX)
 
 
 # ---------------------------------------------------------------------------------------------- names
 
-def _prefixes(prefix: str | Iterable[str] | None) -> tuple[str, ...]:
-    if prefix is None:
-        prefix = BLOCK_PREFIXES
-    elif isinstance(prefix, str):
+def _prefixes(prefix: str | Iterable[str]) -> tuple[str, ...]:
+    if isinstance(prefix, str):
         prefix = (prefix,)
     return tuple(p.rstrip(".") for p in prefix)
 
 
-def stacked_name(name: str, prefix: str | Iterable[str] | None = None) -> tuple[str, int] | None:
+def stacked_name(name: str, prefix: str | Iterable[str]) -> tuple[str, int] | None:
     """(stacked tensor name, layer index) for a per-layer tensor name, or None for any other tensor.
 
     `transformer_blocks.12.img_mod.1.weight` -> (`transformer_blocks.stacked.img_mod.1.weight`, 12).
-    prefix: the layer list's module name(s); default both models' (`transformer_blocks`, `model.layers`).
+    prefix: the layer list's module name(s) (a component's `blocks`: qic.family.Component).
     """
     for p in _prefixes(prefix):
         if name.startswith(p + "."):
@@ -282,38 +279,9 @@ class _LayerRange:
         return self.layers(*args, layers=self.range)
 
 
-# ---------------------------------------------------------------------------------------------- models
-
-def _template(build, config, tp_size: int, layers_of) -> nn.Module:
+def template_layer(build, config, tp_size: int, layers_of) -> nn.Module:
     """One layer exactly as the unrolled model builds it (from a 1-layer model, on the current default
     device: under `torch.device("meta")` it costs nothing, elsewhere one layer's default initialisation,
-    which seeds every row of the stacks)."""
+    which seeds every row of the stacks). build(config, tp_size) -> the unrolled model; layers_of(model) ->
+    its layer list; `config` a dataclass with `num_layers`."""
     return layers_of(build(dataclasses.replace(config, num_layers=1), tp_size))[0]
-
-
-class LoopedMMDiT(QwenMMDiT):
-    """QwenMMDiT with its transformer blocks stacked and run by scan: same forward signature and outputs.
-
-    state_dict: QwenMMDiT's non-block names + `transformer_blocks.stacked.<block-local name>` [L, ...].
-    Convert an unrolled state dict with `stack_block_weights(sd, "transformer_blocks", L)`.
-    """
-
-    def __init__(self, config: MMDiTConfig, tp_size: int = 1):
-        super().__init__(dataclasses.replace(config, num_layers=0), tp_size)
-        self.config = config
-        template = _template(QwenMMDiT, config, tp_size, lambda m: m.transformer_blocks)
-        self.transformer_blocks = StackedLayers(template, config.num_layers, num_carry=2)
-
-
-class LoopedTextEncoder(QwenTextEncoder):
-    """QwenTextEncoder with its decoder layers stacked and run by scan: same forward and outputs.
-
-    state_dict: `model.embed_tokens.weight`, `model.norm.weight` + `model.layers.stacked.<layer-local name>`.
-    Convert with `stack_block_weights(sd, "model.layers", L)`.
-    """
-
-    def __init__(self, config: TextEncoderConfig, tp_size: int = 1):
-        super().__init__(dataclasses.replace(config, num_layers=0), tp_size)
-        self.config = config
-        template = _template(QwenTextEncoder, config, tp_size, lambda m: m.model.layers)
-        self.model.layers = StackedLayers(template, config.num_layers, num_carry=1)

@@ -1,7 +1,7 @@
 """Tensor-parallel plans applied: which weights split by output rows (column-parallel) or by input columns
 (row-parallel), one rank's part of a tensor, the per-rank tensors stage 1 writes, and the plan's text for cache
 keys. The tables are each component's own (qic.family.TPPlan, in its definition: Qwen-Image's and why they
-split as they do are in qic/builder/qwen_image.py); this module looks them up by component name and applies
+split as they do are in qic/models/qwen_image/components.py); this module looks them up by component name and applies
 them. Everything a table leaves unlisted is replicated.
 
 A padded tensor splits along a dim that need not divide by TP (a vocabulary): as in Megatron and vLLM, every

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from qic.errors import ConfigError
-from qic.models.mmdit import JointAttention
-from qic.models.ulysses import UlyssesShard
+from qic.models.qwen_image.mmdit import JointAttention
+from qic.models.qwen_image.ulysses import UlyssesShard
 from qic.parallel.mesh import Layout
 from qic.parallel.tp import apply_tp
 

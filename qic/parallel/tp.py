@@ -1,6 +1,7 @@
 """Tensor-parallel execution: the all_reduce and all_gather hooks, per-rank state dicts, process groups.
 
-Plans (each component's own table, in its definition: qic/builder/qwen_image.py; applied by qic.parallel.plans):
+Plans (each component's own table, in its definition: Qwen-Image's in qic/models/qwen_image/components.py;
+applied by qic.parallel.plans):
 - text encoder: q/k/v column-parallel by heads (GQA: query and key/value heads both divide by TP, so
   TP may not exceed the key/value heads; the module refuses larger TP with a ConfigError naming the
   counts), o_proj row-parallel + all_reduce; gate/up column-parallel, down_proj row-parallel + all_reduce;

@@ -70,13 +70,15 @@ class Bundle:
         fixed = {name: torch.tensor([self.coords[axis]]) for name, axis in RANK_INPUTS.items()}
         other = _weights_bundle(weights_from, m, verify_all) if weights_from is not None else None
         self.weights_id = other[1]["id"] if other else None    # the bundle whose weights run, if not this one
-        self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
-        self.resolutions = [tuple(r) for r in m["resolutions"]]
-        self.buckets = list(m["text_buckets"])
-        self.latents = m["latents"]
-        self.scheduler = m["scheduler"]
+        # What a family's host program reads beside the graphs (qic.runtime.programs: the manifest's family
+        # names it); a family that has no tokenizer, resolutions or scheduler records none.
+        self.tokenizer = load_tokenizer(self.path / m["tokenizer"]) if m.get("tokenizer") else None
+        self.resolutions = [tuple(r) for r in m.get("resolutions", [])]
+        self.buckets = list(m.get("text_buckets", []))
+        self.latents = m.get("latents")
+        self.scheduler = m.get("scheduler")
         self.defaults = m.get("defaults", {})         # run defaults of the build config (steps, guidance)
-        self.prompt = m["prompt"]
+        self.prompt = m.get("prompt")
         self.step_cache = m.get("step_cache")         # {first, last}: the split step graphs are in (or None)
         shards: dict[str, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple, Graph] = {}

@@ -3,7 +3,7 @@
 In flux's manner the loop knows only the schedule and a step callable, so what a step is (which graphs it
 calls, what step caching decides, which collectives a decision reads) is the caller's, and so is what is
 done with each step's time. Each step graph applies the Euler update itself (the latents in are the latents
-out, qic/models/step.py), so the loop carries x from one step to the next and adds nothing to it.
+out, qic/models/qwen_image/step.py), so the loop carries x from one step to the next and adds nothing to it.
 """
 
 from __future__ import annotations

@@ -20,13 +20,16 @@ def png_bytes(result, bundle_id: str, weights_id: str | None = None) -> bytes:
     """The PNG file's bytes: the same for the same image and settings, whoever writes or sends them."""
     req = result.request
     info = PngInfo()
-    for key, value in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt), ("seed", req.seed),
-                       ("steps", req.steps), ("guidance", req.guidance), ("bundle", bundle_id),
-                       ("resolution", f"{req.height}x{req.width}")):
+    # The settings the host program's request has (a family's Request may lack some; text-to-image has all).
+    given = {k: getattr(req, k) for k in ("prompt", "negative_prompt", "seed", "steps", "guidance") if hasattr(req, k)}
+    given["bundle"] = bundle_id
+    if hasattr(req, "height"):
+        given["resolution"] = f"{req.height}x{req.width}"
+    for key, value in given.items():
         info.add_itxt(key, "" if value is None else str(value))
     if weights_id:
         info.add_itxt("weights", weights_id)
-    if result.computed is not None:   # step caching: its settings and the steps each CFG branch computed
+    if getattr(result, "computed", None) is not None:   # step caching: its settings, the steps each branch computed
         from qic.host.cache_policy import computed_line
         info.add_itxt("step_cache", f"{req.cache.describe()}; computed: {computed_line(result.computed, req.steps)}")
     buf = io.BytesIO()

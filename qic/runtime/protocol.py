@@ -3,6 +3,8 @@
 step caching's loop and the checks that put one in place of the other rely on these members and no others.
 
 Run-time safe: the manifest's layout and the tokenizer's type only (no model, builder or compiler code).
+The host fields (resolutions, buckets, prompt, latents, scheduler, tokenizer) are what the text-to-image
+program reads; a bundle of a family whose program needs fewer has them empty or None (qic.runtime.programs).
 The classes do not inherit from these protocols (a missing member would then be inherited as a stub);
 tests/test_runtime_protocol.py checks member by member that both implement them.
 """

@@ -1,5 +1,5 @@
 """Step caching at run time: one denoise step over a bundle's split step graphs, for the one denoise loop
-(qic/runtime/loop.py). qic/models/step_cache.py says what each graph does; qic/host/cache_policy.py decides
+(qic/runtime/loop.py). qic/models/qwen_image/step_cache.py says what each graph does; qic/host/cache_policy.py decides
 which rows compute, from the figures `decision_figures` reads (the one device-to-host read of a step)."""
 
 from __future__ import annotations

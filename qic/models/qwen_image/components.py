@@ -1,6 +1,5 @@
 """Qwen-Image's three compiled components, each one definition (qic.family.Component): the only place that
-says what the text encoder, the denoiser and the VAE decoder are to a build. Meant to move whole into the
-family's own folder (qic/models/qwen_image/) with the graph functions it names.
+says what the text encoder, the denoiser and the VAE decoder are to a build.
 
 The TP tables (Megatron-style): Q/K/V and MLP up-projections split by rows (heads / hidden units stay
 contiguous), output and down projections split by columns and are reduced inside the graph (RowLinear) before
@@ -17,12 +16,23 @@ two agree tensor by tensor (qic.builder.shard._plan), so a table that disagrees 
 
 from __future__ import annotations
 
-from qic.builder.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
+from qic.errors import ConfigError, warn
 from qic.family import COLUMN, ROW, Component, TPPlan
-from qic.models.looped import LoopedMMDiT, LoopedTextEncoder
-from qic.models.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict
-from qic.models.text_encoder import QwenTextEncoder, TextEncoderConfig, text_encoder_state_dict
-from qic.models.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
+from qic.host.latents import check_resolution
+from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
+from qic.host.schedule import check_scheduler_config
+from qic.models.qwen_image.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
+from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT, mmdit_state_dict
+from qic.models.qwen_image.text_encoder import (
+    LoopedTextEncoder,
+    QwenTextEncoder,
+    TextEncoderConfig,
+    text_encoder_state_dict,
+)
+from qic.models.qwen_image.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
+
+_HERE = __name__.rpartition(".")[0]                     # this family's package
+_SHARED = ("qic.models.common", "qic.models.looped")     # the shared modules its converted weights depend on
 
 
 def _batches(spec) -> list[dict]:
@@ -112,16 +122,66 @@ _DENOISER_TP = TPPlan(rules=(
 # neuronx-cc model types as NxDI compiles transformers and the Flux VAE decoder (qic/backends/neuron/cc.py).
 COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component("text_encoder", "text_encoder", TextEncoderConfig.from_dict, _text_encoder_module,
-              text_encoder_state_dict, ("text_encoder.py", "common.py", "looped.py"),
+              text_encoder_state_dict, (f"{_HERE}.text_encoder", *_SHARED),
               _text_encoder_shapes, _text_encoder_graph, config_deps=("text_encoder",), tp_plan=_TEXT_ENCODER_TP,
-              stackable=True, neuron_model_type="transformer"),
+              blocks="model.layers", neuron_model_type="transformer"),
     # The denoiser step packs latents by the VAE's scale: the VAE's config keys its graphs too.
     Component("denoiser", "transformer", MMDiTConfig.from_dict, _denoiser_module, mmdit_state_dict,
-              ("mmdit.py", "common.py", "looped.py"), _denoiser_shapes, _denoiser_graph,
-              config_deps=("transformer", "vae"), tp_plan=_DENOISER_TP, stackable=True, runs_layout=True,
+              (f"{_HERE}.mmdit", *_SHARED), _denoiser_shapes, _denoiser_graph,
+              config_deps=("transformer", "vae"), tp_plan=_DENOISER_TP, blocks="transformer_blocks", runs_layout=True,
               lora_target=True, neuron_model_type="transformer"),
     # The VAE decoder runs in fp32 whatever the build's dtype (bf16 decoding visibly bands images).
     Component("vae_decoder", "vae", VAEConfig.from_dict, _vae_module, vae_decoder_state_dict,
-              ("vae_decoder.py", "common.py"), _vae_decoder_shapes, _vae_decoder_graph, config_deps=("vae",),
-              fixed_dtype="float32", neuron_model_type="unet-inference"),
+              (f"{_HERE}.vae_decoder", "qic.models.common"), _vae_decoder_shapes, _vae_decoder_graph,
+              config_deps=("vae",), fixed_dtype="float32", neuron_model_type="unet-inference"),
 )}
+
+
+def validate(spec, ctx) -> None:
+    """Qwen-Image's checks of a build (qic.builder.context.validate calls them first): its scheduler, resolutions
+    (the VAE's scale), text buckets against the prompt template, the denoiser's heads under a parallel layout."""
+    if ctx.scheduler is None:
+        ctx.ckpt.config("scheduler")      # a checkpoint without one: the reader's one line naming the file
+    if ctx.tokenizer is None and not ctx.configs_only:
+        from qic.tokenizer import load_tokenizer
+        load_tokenizer(ctx.ckpt.tokenizer_dir)   # the tokenizer's own error naming what is missing
+    check_scheduler_config(ctx.scheduler)
+    vae = ctx.configs["vae_decoder"]
+    for h, w in spec.resolutions:
+        check_resolution(h, w, vae.scale_factor)
+    if ctx.tokenizer is not None:
+        template_len = len(ctx.tokenizer.encode(TEMPLATE.format("")).ids)
+        what = f"the prompt template ({template_len} tokens with an empty prompt)"
+    else:
+        # Configs without a tokenizer (e.g. the published Qwen-Image configs): the template's length is
+        # unknown, but the encoder output drops its first DROP_TOKENS, so a bucket must exceed that for
+        # the denoiser's graphs to exist at all. The build with the tokenizer checks the exact bound.
+        template_len, what = DROP_TOKENS, f"the {DROP_TOKENS} template tokens the denoiser drops"
+        if any(spec.text_buckets):
+            warn(f"{ctx.ckpt.root}: no tokenizer, so text buckets are checked only against the {DROP_TOKENS} "
+                 "dropped template tokens, not the template's full length (a build with the tokenizer checks it)")
+    for b in spec.text_buckets:
+        if b and b <= template_len:
+            raise ConfigError(f"text bucket {b} is too small for {what}; use buckets > {template_len}")
+    if "denoiser" in spec.components and not spec.layout.plain:
+        from qic.parallel.sequence import check_layout
+        check_layout(spec.layout, ctx.configs["denoiser"].num_attention_heads)
+
+
+def manifest_fields(spec, ctx) -> dict:
+    """What Qwen-Image's host program (qic.runtime.generate) reads of a bundle beside its graphs."""
+    vae, den = ctx.configs["vae_decoder"], ctx.configs["denoiser"]
+    return {
+        "resolutions": [list(r) for r in spec.resolutions],
+        "text_buckets": list(spec.text_buckets),
+        "cfg": list(spec.cfg) if "denoiser" in spec.components else [],  # step graphs: True CFG, False no-CFG
+        "batch_sizes": list(spec.batch_sizes),           # images per graph call the graphs exist for
+        "prompt": {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
+        "scheduler": ctx.scheduler,                       # the checkpoint's, overrides applied
+        "scheduler_overrides": dict(spec.scheduler),
+        # Step caching's split graphs are in: blocks always computed first and last
+        # (qic/models/qwen_image/step_cache.py)
+        "step_cache": dict(zip(("first", "last"), spec.step_cache)) if spec.step_cache else None,
+        "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
+                    "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
+    }

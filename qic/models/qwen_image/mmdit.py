@@ -13,6 +13,7 @@ tables were produced. Layout: joint token order [text | image], shape [txt_len +
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch import nn
 
 from qic.errors import ConfigError
 from qic.models.common import GatherLinear, RMSNorm, RowLinear, check_config_keys, require_value
+from qic.models.looped import StackedLayers, template_layer
 
 COMPONENT = "transformer"
 # Architecture constants of diffusers' class (not in config.json): FeedForward's default mult, the
@@ -309,8 +311,9 @@ class QwenMMDiT(nn.Module):
         img, txt = self.blocks(img, txt, temb, attn_mask, rope_cos, rope_sin)
         return self.output(img, temb)
 
-    # The forward's three parts, also called one by one by the step-caching graphs (qic/models/step_cache.py),
-    # which run a range of the blocks each: one definition of the arithmetic for both.
+    # The forward's three parts, also called one by one by the step-caching graphs
+    # (qic/models/qwen_image/step_cache.py), which run a range of the blocks each: one definition of the arithmetic
+    # for both.
 
     def embed(self, hidden_states, encoder_hidden_states, timestep):
         """(img [B, S_img, dim], txt [B, S_txt, dim], temb [B, dim]): the input projections and timestep embedding."""
@@ -342,3 +345,18 @@ class QwenMMDiT(nn.Module):
 def mmdit_state_dict(mapping: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> QwenMMDiT state dict. qic uses diffusers' names verbatim, so no renaming."""
     return dict(mapping)
+
+
+class LoopedMMDiT(QwenMMDiT):
+    """QwenMMDiT with its transformer blocks stacked and run by scan (qic.models.looped): same forward signature
+    and outputs.
+
+    state_dict: QwenMMDiT's non-block names + `transformer_blocks.stacked.<block-local name>` [L, ...].
+    Convert an unrolled state dict with `stack_block_weights(sd, "transformer_blocks", L)`.
+    """
+
+    def __init__(self, config: MMDiTConfig, tp_size: int = 1):
+        super().__init__(dataclasses.replace(config, num_layers=0), tp_size)
+        self.config = config
+        template = template_layer(QwenMMDiT, config, tp_size, lambda m: m.transformer_blocks)
+        self.transformer_blocks = StackedLayers(template, config.num_layers, num_carry=2)

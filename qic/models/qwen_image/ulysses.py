@@ -47,7 +47,7 @@ def _pad_tokens(x: torch.Tensor, to: int) -> torch.Tensor:
 class UlyssesShard(nn.Module):
     """Runs a QwenMMDiT's forward on this rank's tokens; same signature plus `sp_rank`, same output. Its
     pieces (split, key_mask, tables, unsplit, relative_l1) are also what the step-caching parts
-    (qic/models/step_cache.py) use to run a range of the blocks on the same chunks."""
+    (qic/models/qwen_image/step_cache.py) use to run a range of the blocks on the same chunks."""
 
     def __init__(self, size: int, gather=None, reduce=None):
         """gather: [B, n, C] -> [size, B, n, C], every rank's chunk; reduce: a sum over the group (the step-cache

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qic.models.mmdit import QwenMMDiT
-from qic.models.ulysses import UlyssesShard
+from qic.models.qwen_image.mmdit import QwenMMDiT
+from qic.models.qwen_image.ulysses import UlyssesShard
 
 
 class DenoiseStep(nn.Module):
@@ -27,7 +27,8 @@ class DenoiseStep(nn.Module):
     """
 
     def __init__(self, mmdit: QwenMMDiT, cfg: bool = True, shard: UlyssesShard | None = None, cfg_gather=None):
-        """shard: Ulysses, the denoiser run on this rank's 1/U of the tokens (qic/models/ulysses.py; None: all).
+        """shard: Ulysses, the denoiser run on this rank's 1/U of the tokens (qic/models/qwen_image/ulysses.py;
+        None: all).
         cfg_gather: CFG-parallel, [B, S, C] -> [2B, S, C], both branches' predictions in CFG-rank order, i.e.
         [cond rows | uncond rows] (None: one device runs both). The layout's collectives, made by
         qic.parallel.sequence (ulysses_shard, cfg_gather)."""

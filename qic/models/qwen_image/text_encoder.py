@@ -17,6 +17,7 @@ outputs exact); left padding matches transformers 5 but not 4.x.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from qic.errors import CheckpointError, ConfigError
 from qic.models.common import RMSNorm, RowLinear, VocabEmbedding, check_config_keys
+from qic.models.looped import StackedLayers, template_layer
 
 COMPONENT = "text_encoder"
 
@@ -318,3 +320,18 @@ class QwenTextEncoder(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask_bias)
         return self.model.norm(x)
+
+
+class LoopedTextEncoder(QwenTextEncoder):
+    """QwenTextEncoder with its decoder layers stacked and run by scan (qic.models.looped): same forward and
+    outputs.
+
+    state_dict: `model.embed_tokens.weight`, `model.norm.weight` + `model.layers.stacked.<layer-local name>`.
+    Convert with `stack_block_weights(sd, "model.layers", L)`.
+    """
+
+    def __init__(self, config: TextEncoderConfig, tp_size: int = 1):
+        super().__init__(dataclasses.replace(config, num_layers=0), tp_size)
+        self.config = config
+        template = template_layer(QwenTextEncoder, config, tp_size, lambda m: m.model.layers)
+        self.model.layers = StackedLayers(template, config.num_layers, num_carry=1)

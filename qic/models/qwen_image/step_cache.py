@@ -21,7 +21,7 @@ reductions are per row), so an image's decisions do not depend on its batch. Und
 between blocks is whole on every rank (the row-parallel outputs are all-reduced inside each block), so the
 decision's means need no collective and every rank computes the same figure.
 
-Parallel layouts (qic/parallel/mesh.py), as the whole step runs them (qic/models/step.py, ulysses.py):
+Parallel layouts (qic/parallel/mesh.py), as the whole step runs them (qic/models/qwen_image/step.py, ulysses.py):
 - CFG-parallel: the head takes every text row and keeps this rank's branch (`cfg_rank`); the middle and the tail
   run that branch's rows only (the host passes their text mask rows), and the tail all-gathers the predictions
   over the CFG pair before CFG and Euler. Each branch's rows, and so its decisions, live on its own CFG group.
@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qic.models.mmdit import QwenMMDiT
-from qic.models.step import branch_rows, guide_and_update, model_timestep
-from qic.models.ulysses import UlyssesShard
+from qic.models.qwen_image.mmdit import QwenMMDiT
+from qic.models.qwen_image.step import branch_rows, guide_and_update, model_timestep
+from qic.models.qwen_image.ulysses import UlyssesShard
 
 
 def relative_l1(residual: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,225 @@
+"""Qwen-Image's graph makers: which graphs its components' bundles hold, their eager modules and example inputs.
+
+- text_encoder@L:        ids [1, L], mask [1, L]                     -> hidden [1, L, D]
+- denoiser@HxW@L:        one whole denoise step, cond+uncond batched -> next latents [1, S, C]
+- vae_decoder@HxW:       packed latents [1, S, C]                    -> image [1, 3, H, W] in [-1, 1]
+- denoiser@HxW@L@head, @mid, @mid@R1, @tail: the step in three parts for step caching (build config
+  `step_cache`), inputs and outputs in step_part_graph below; the whole-step graph stays beside them.
+
+Batched graphs (build config `batch_sizes`) carry `@B<n>` and take n images where the above take 1:
+ids/mask [n, L]; latents [n, S, C] with text [2n, L, D] (n prompts, then their n negative prompts) and
+guidance [n]; image [n, 3, H, W]. Batch 1 keeps the names, shapes and spec keys it always had.
+
+L is a text bucket: a text-encoder length, template included; the denoiser sees L - DROP_TOKENS.
+With exact-length builds (bucket 0) L is a dynamic dimension instead of a fixed size.
+Input and output names recorded here are the runtime's contract with each graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qic.builder.graphs import PLAIN, GraphDef
+from qic.dtypes import TORCH_DTYPES
+from qic.graph_names import graph_name
+from qic.host.latents import packed_grid
+from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
+from qic.models.qwen_image.mmdit import rope_tables
+from qic.models.qwen_image.step import DenoiseStep
+from qic.models.qwen_image.step_cache import StepHead, StepMiddle, StepTail
+from qic.models.qwen_image.ulysses import padded
+from qic.models.qwen_image.vae_decoder import QwenVAEDecoder
+from qic.parallel.mesh import Layout
+from qic.parallel.sequence import apply_layout, cfg_gather, ulysses_shard
+
+
+class StepGraph(nn.Module):
+    """DenoiseStep with its RoPE tables held as buffers computed at build time for one resolution.
+
+    Text positions come first ([text | image]); the text part is tabulated for the longest text this
+    graph can see and sliced to the actual length, so exact-length (dynamic) graphs work too.
+    """
+
+    def __init__(self, step: DenoiseStep, config, rows: int, cols: int, max_text: int, names: list[str]):
+        super().__init__()
+        self.step, self.names = step, names   # names: the positional graph inputs, in order
+        cos, sin = rope_tables(config, rows, cols, max_text)
+        self.register_buffer("rope_cos_txt", cos[:max_text].contiguous(), persistent=False)
+        self.register_buffer("rope_sin_txt", sin[:max_text].contiguous(), persistent=False)
+        self.register_buffer("rope_cos_img", cos[max_text:].contiguous(), persistent=False)
+        self.register_buffer("rope_sin_img", sin[max_text:].contiguous(), persistent=False)
+
+    def forward(self, *args):
+        x = dict(zip(self.names, args))
+        n = x["text_embeds"].shape[1]
+        x["rope_cos"] = torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0)
+        x["rope_sin"] = torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0)
+        return self.step(**({"guidance": None} | x))
+
+
+class StepPartGraph(nn.Module):
+    """A step-caching part (qic/models/qwen_image/step_cache.py) with its RoPE tables as build-time buffers, like
+    StepGraph. Its inputs vary with the part (and CFG, and whether a tail runs blocks), so they are given by
+    name: `names` orders the positional graph inputs."""
+
+    def __init__(self, part: nn.Module, names: list[str], config, rows: int, cols: int, max_text: int):
+        super().__init__()
+        self.part, self.names = part, names
+        cos, sin = rope_tables(config, rows, cols, max_text)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.max_text = max_text
+
+    def forward(self, *args):
+        x = dict(zip(self.names, args))
+        if "text_mask" in x:
+            n, m = x["text_mask"].shape[1], self.max_text
+            x["rope_cos"] = torch.cat([self.rope_cos[:n], self.rope_cos[m:]], 0)
+            x["rope_sin"] = torch.cat([self.rope_sin[:n], self.rope_sin[m:]], 0)
+        return self.part(**x)
+
+
+def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
+                    part: str, first: int, last: int, cfg: bool = True, batch: int = 1,
+                    rows: int | None = None, layout: Layout = PLAIN) -> GraphDef:
+    """One part of the step for step caching. R = text rows (2 x batch with CFG), S image tokens, D inner dim:
+    - head: latents [B, S, C], text_embeds [R, L, J], text_mask [R, L], timestep, prev_residual [R, S, D]
+            -> img, txt, temb, residual, diff [R] fp32
+    - mid:  img [r, S, D], txt [r, L, D], temb [r, D], text_mask [r, L] (r = R, or `rows`)
+            -> img, txt, img_residual, txt_residual
+    - tail: latents, img_base [R, S, D], img_residual, temb, sigma, sigma_next, [guidance],
+            [text_mask, txt_base, txt_residual when last > 0] -> latents
+    A layout (qic/models/qwen_image/step_cache.py): under CFG-parallel R is one branch's rows (the head still
+    takes every text row, and cfg_rank); under Ulysses S and L are this rank's chunks of the padded streams (the
+    text mask stays whole), and every part takes sp_rank. Both rank inputs last, filled by the runtime.
+    """
+    grid_rows, grid_cols = packed_grid(height, width, vae_scale)
+    tokens = grid_rows * grid_cols
+    text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
+    example_len = text_len if bucket else 8
+    dt = TORCH_DTYPES[dtype]
+    split = layout.cfg > 1 and cfg                      # CFG-parallel: this rank's branch rows only
+    all_rows = 2 * batch if cfg else batch
+    n_rows = rows or (batch if split else all_rows)
+    dim = config.inner_dim
+    u = layout.ulysses                                   # Ulysses: this rank's chunk of each padded stream
+    local_tokens, local_text = padded(tokens, u) // u, padded(example_len, u) // u
+    ranked = dict(shard=ulysses_shard(layout), tokens=tokens)
+
+    def scalar(value):
+        return torch.tensor(value, dtype=torch.float32)
+
+    def act(n, *shape):  # activations: ones, so that an executed check (XLA) never divides by a zero mean
+        return torch.ones(n, *shape, dtype=dt)
+
+    text_mask = ("text_mask", torch.ones(n_rows, example_len, dtype=torch.long))
+    rank_in = [("sp_rank", torch.zeros(1, dtype=torch.long))] if u > 1 else []
+    guidance = [("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else []
+    if part == "head":
+        module = StepHead(mmdit, first, cfg, cfg_parallel=split, **ranked)
+        inputs = [("latents", act(batch, tokens, config.in_channels)),
+                  ("text_embeds", act(all_rows, example_len, config.joint_attention_dim)),
+                  ("text_mask", torch.ones(all_rows, example_len, dtype=torch.long)),
+                  ("timestep", scalar(500.0)), ("prev_residual", act(n_rows, local_tokens, dim))]
+        rank_in = ([("cfg_rank", torch.zeros(1, dtype=torch.long))] if split else []) + rank_in
+        outputs = ["img", "txt", "temb", "residual", "diff"]
+        text_inputs = ("text_embeds", "text_mask")
+    elif part == "mid":
+        module = StepMiddle(mmdit, first, last, **ranked)
+        inputs = [("img", act(n_rows, local_tokens, dim)), ("txt", act(n_rows, local_text, dim)),
+                  ("temb", act(n_rows, dim)), text_mask]
+        outputs = ["img", "txt", "img_residual", "txt_residual"]
+        text_inputs = ("txt", "text_mask")
+    elif part == "tail":
+        module = StepTail(mmdit, last, cfg, cfg_gather=cfg_gather(layout), **ranked)
+        inputs = [("latents", act(batch, tokens, config.in_channels)), ("img_base", act(n_rows, local_tokens, dim)),
+                  ("img_residual", act(n_rows, local_tokens, dim)), ("temb", act(n_rows, dim)),
+                  ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))] + guidance
+        if last:
+            inputs += [text_mask, ("txt_base", act(n_rows, local_text, dim)),
+                       ("txt_residual", act(n_rows, local_text, dim))]
+        outputs = ["latents"]
+        text_inputs = ("text_mask", "txt_base", "txt_residual")
+    else:
+        raise ValueError(f"unknown step part {part!r}")
+    if not layout.plain:
+        apply_layout(module, layout)
+    inputs += rank_in
+    names = [n for n, _ in inputs]
+    dynamic = None
+    if not bucket:
+        text = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
+        dynamic = {n: ({1: text} if n in text_inputs else None) for n in names}
+    shape = ({"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False})
+             | {"part": part, "first": first, "last": last} | ({"rows": rows} if rows else {}) | _batch_shape(batch))
+    wrapped = StepPartGraph(module, names, config, grid_rows, grid_cols, text_len)
+    return GraphDef(graph_name("denoiser", (height, width), bucket, cfg, batch, part, rows), "denoiser", wrapped,
+                    inputs, outputs, dynamic=dynamic, shape=shape, weight_prefix="part.mmdit.")
+
+
+def _batch_shape(batch: int) -> dict:
+    return {"batch": batch} if batch != 1 else {}   # batch 1: the shape (and spec key) it always had
+
+
+def text_encoder_graph(module, bucket: int, batch: int = 1) -> GraphDef:
+    length = bucket or DROP_TOKENS + 8
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    dynamic = None
+    if not bucket:
+        text = torch.export.Dim("text", min=DROP_TOKENS + 1, max=DROP_TOKENS + MAX_PROMPT_TOKENS)
+        dynamic = {"input_ids": {1: text}, "attention_mask": {1: text}}
+    return GraphDef(graph_name("text_encoder", bucket=bucket, batch=batch), "text_encoder", module,
+                    [("input_ids", ids), ("attention_mask", mask)], ["hidden_states"], dynamic=dynamic,
+                    shape={"bucket": bucket} | _batch_shape(batch))
+
+
+def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
+                   cfg: bool = True, batch: int = 1, layout: Layout = PLAIN) -> GraphDef:
+    """cfg=False: the no-CFG step, text of batch `batch` and no guidance input (one transformer call a step).
+    batch > 1: `batch` images a step, guidance [batch] (one scale per image).
+    layout: Ulysses and CFG-parallel (qic/parallel/mesh.py) add the rank inputs sp_rank / cfg_rank, [1] int64,
+    which the runtime fills with the rank's mesh coordinates; the graph's collectives name the mesh's axes."""
+    rows, cols = packed_grid(height, width, vae_scale)
+    text_len = (bucket - DROP_TOKENS) if bucket else MAX_PROMPT_TOKENS
+    step = DenoiseStep(mmdit, cfg=cfg, shard=ulysses_shard(layout), cfg_gather=cfg_gather(layout))
+    if not layout.plain:
+        apply_layout(step, layout)
+    rows_of_text = 2 * batch if cfg else batch
+    example_len = text_len if bucket else 8
+    dt = TORCH_DTYPES[dtype]
+
+    def scalar(value):  # distinct tensors: export would treat one object passed twice as one input
+        return torch.tensor(value, dtype=torch.float32)
+
+    inputs = [
+        ("latents", torch.zeros(batch, rows * cols, config.in_channels, dtype=dt)),
+        ("text_embeds", torch.zeros(rows_of_text, example_len, config.joint_attention_dim, dtype=dt)),
+        ("text_mask", torch.ones(rows_of_text, example_len, dtype=torch.long)),
+        ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)),
+    ] + ([("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else [])
+    inputs += [(name, torch.zeros(1, dtype=torch.long)) for name in rank_inputs(step)]
+    module = StepGraph(step, config, rows, cols, text_len, [n for n, _ in inputs])
+    dynamic = None
+    if not bucket:
+        text = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
+        dynamic = {name: None for name, _ in inputs} | {"text_embeds": {1: text}, "text_mask": {1: text}}
+    shape = {"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False}) | _batch_shape(batch)
+    return GraphDef(graph_name("denoiser", (height, width), bucket, cfg, batch), "denoiser", module, inputs,
+                    ["latents"], dynamic=dynamic, shape=shape, weight_prefix="step.mmdit.")
+
+
+def vae_decoder_graph(weights_module, height: int, width: int, batch: int = 1) -> GraphDef:
+    # The decoder unpacks a static latent grid: one module per resolution, sharing the bound weights.
+    module = QwenVAEDecoder(weights_module.config, height, width)
+    module.load_state_dict(weights_module.state_dict(), strict=True, assign=True)
+    rows, cols = packed_grid(height, width, module.config.scale_factor)
+    latents = torch.zeros(batch, rows * cols, 4 * module.config.z_dim, dtype=torch.float32)
+    return GraphDef(graph_name("vae_decoder", (height, width), batch=batch), "vae_decoder", module,
+                    [("latents", latents)], ["image"], shape={"resolution": [height, width]} | _batch_shape(batch))
+
+
+def rank_inputs(step: DenoiseStep) -> list[str]:
+    """The mesh coordinates a step graph takes as inputs (the runtime's contract: qic.parallel.mesh.RANK_INPUTS)."""
+    return (["cfg_rank"] if step.cfg_parallel else []) + (["sp_rank"] if step.shard is not None else [])

@@ -1,0 +1,36 @@
+"""The host programs: which one runs a bundle, by the name its manifest records (its family's `host`).
+
+A host program is host code over a loaded model's graphs (qic.runtime.protocol.Runnable): tokenise, schedule,
+call graphs by name, decode, and nothing that is a model (no nn.Module, no model definitions). It is a module
+with `Request` (one image's run options, a dataclass) and `generate(model, request) -> Result` (`image`, a PIL
+image; `timings`, seconds by stage in the order they ran). The registry is where a family may put one: a
+module of qic.runtime (the text-to-image program, qic/runtime/generate.py, which a family whose graphs have
+the roles text_encoder, denoiser and vae_decoder names), or the `host` module of a known family's own folder
+(qic.family.packages, found without importing any family's code). Nothing else is imported, whatever a
+manifest names.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from qic import family
+from qic.errors import BundleError
+
+RUNTIME = "qic.runtime."   # programs the runtime ships
+
+
+def known(host: str) -> bool:
+    """Whether `host` is a host program qic may run: a runtime program, or a known family folder's host module."""
+    return host.startswith(RUNTIME) or host in {f"{p}.host" for p in family.packages()}
+
+
+def program_of(manifest: dict):
+    """The host program module of a bundle; one qic does not know (its family's package not installed) is one
+    BundleError line."""
+    record = manifest.get("family") or {}
+    host = record.get("host")
+    if not isinstance(host, str) or not known(host):
+        raise BundleError(f"bundle of model family {record.get('name')!r} runs host program {host!r}, which this "
+                          "qic does not know", "install the package that provides the family, or rebuild the bundle")
+    return importlib.import_module(host)
