@@ -1,8 +1,8 @@
 """Issue 29: compiled bundles with TP inside a layout, and step caching on compiled layouts.
 
-Each world-4 bundle (TP 2 x CFG-parallel 2, TP 2 x Ulysses 2, Ulysses 2 x CFG-parallel 2) is built by `qic build`
-and run four ways: `qic run` (which starts the four ranks), torchrun (one process per rank), `qic serve`, and
-`qic run` with step caching where the bundle was built with `--step-cache 1,0`.
+Each world-4 bundle (TP 2 x CFG-parallel 2, TP 2 x Ulysses 2, Ulysses 2 x CFG-parallel 2) is built by `qic build`;
+the two with TP inside are run three ways: `qic run` (which starts the four ranks), torchrun (one process per rank)
+and `qic serve`, and the two built with `--step-cache 1,0` run step-cached against diffusers' FirstBlockCache.
 
 Bounds: a layout changes only how the fp32 sums are split between ranks (TP's partial matmuls, Ulysses' head
 split, CFG-parallel's gathered rows), so against the TP 1 bundle an image may move by fp32 reordering only:
@@ -68,8 +68,9 @@ def _run_args(steps=STEPS):
     return ("--prompt", PROMPT, "--steps", steps, "--seed", SEED)
 
 
-def test_layout_bundle_runs_as_tp1_by_run_torchrun_and_serve(layout_bundle, tp1_image, tmp_path):
-    name, out = layout_bundle
+def _check_bundle(name, out) -> dict:
+    """The manifest's layout and the step graph's rank inputs, qic inspect's layout line, and no graph output on a
+    buffer a gloo work still holds (qic/backends/inductor/build.py). Returns the manifest's layout."""
     _, layout, last_inputs, _ = LAYOUTS[name]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["layout"] == layout
@@ -78,8 +79,17 @@ def test_layout_bundle_runs_as_tp1_by_run_torchrun_and_serve(layout_bundle, tp1_
     assert [i["name"] for i in step["inputs"]][-len(last_inputs):] == last_inputs
     shown = " ".join(qic("inspect", out, env={"COLUMNS": "300"}).stdout.split())
     assert INSPECT[name] in shown and ("step caching: split graphs" in shown) == LAYOUTS[name][3], shown
-    for graph in manifest["graphs"]:   # no output a gloo work still holds (qic/backends/inductor/build.py)
+    for graph in manifest["graphs"]:
         assert outputs_on_collective_buffers(out / graph["file"]) == [], graph["name"]
+    return layout
+
+
+# The issue's two layouts with TP inside: Ulysses 2 x CFG-parallel 2 runs the same code paths with no TP group, and its
+# compiled bundle is held to diffusers' images by the step-caching test below.
+@pytest.mark.parametrize("layout_bundle", ["tp2xcfg2", "tp2xu2"], indirect=True)
+def test_layout_bundle_runs_as_tp1_by_run_torchrun_and_serve(layout_bundle, tp1_image, tmp_path):
+    name, out = layout_bundle
+    layout = _check_bundle(name, out)
     qic("run", out, *_run_args(), "--output", tmp_path / "run.png")
     mesh = Image.open(tmp_path / "run.png")
     worst, mean = image_diff(mesh, tp1_image)
@@ -118,13 +128,15 @@ def tiny_pipe(tiny_ckpt):
     return diffusers_pipe(tiny_ckpt)
 
 
-@pytest.mark.parametrize("layout_bundle", [n for n, v in LAYOUTS.items() if v[3]], indirect=True)
-@pytest.mark.parametrize("threshold", [1.1, 1.2])
+# Each step-cached layout at one of the two thresholds (each caches some steps of each branch, and they differ).
+@pytest.mark.parametrize("layout_bundle,threshold", [("tp2xcfg2", 1.2), ("u2xcfg2", 1.1)],
+                         indirect=["layout_bundle"])
 def test_step_caching_on_a_compiled_layout_decides_as_first_block_cache(layout_bundle, tiny_pipe, tmp_path,
                                                                          threshold):
     """Each CFG group decides its own branch (and a Ulysses group sums its figure over all its tokens): the
     steps each branch computes are diffusers' FirstBlockCache's on one device, the image within 2/255."""
     name, out = layout_bundle
+    _check_bundle(name, out)
     ref, ref_computed = fbc_reference(tiny_pipe, threshold, SHORT_PROMPT, CACHE_STEPS, *TINY_RES)
     image, _ = _qic_run(out, tmp_path, "fbc", "--cache-threshold", threshold)
     got = _computed(image)

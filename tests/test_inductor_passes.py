@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -66,3 +67,53 @@ def test_non_cpu_graphs_and_scaled_addmm_are_left_alone():
 def test_the_pass_is_in_every_cpu_artifact_identity():
     digest = hashlib.sha256(PASSES_FILE.read_bytes()).hexdigest()[:16]
     assert InductorBackend("cpu").identity()["passes"] == {"unfuse_cpu_bias_addmm": digest}
+
+
+class _Scale(torch.nn.Module):
+    """y = x * w, w a parameter (a weight, bound at load); with `baked`, also + b, a buffer the graph would hold."""
+
+    def __init__(self, baked: bool):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4,), 2.0))
+        if baked:
+            self.register_buffer("b", torch.ones(4))
+        self.baked = baked
+
+    def forward(self, x):
+        return x * self.w + (self.b if self.baked else 0)
+
+
+def test_a_graph_holding_a_tensor_of_its_own_is_refused_before_compiling(tmp_path):
+    """The build's check that no weight is a graph constant (a baked value would pin one checkpoint's): done on the
+    exported program, so a refused graph never compiles, and a graph taking every tensor as input passes."""
+    from types import SimpleNamespace
+
+    from qic.backends.inductor.build import baked_tensors
+    backend = InductorBackend("cpu")
+    for baked in (False, True):
+        module = _Scale(baked)
+        gdef = SimpleNamespace(module=module, inputs=[("x", torch.randn(3, 4))], dynamic=None)
+        traced = backend.trace(gdef, {"w": module.w.detach()})
+        assert baked_tensors(traced.payload) == (["module.b"] if baked else [])
+    with pytest.raises(RuntimeError, match=r"holds tensors of its own \['module.b'\]"):
+        backend.compile(traced, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_wrapped_number_is_not_a_baked_tensor_but_a_tensor_attribute_is():
+    """torch.tensor(1e6) in forward (RoPE's theta) is a 0-dim lifted constant inductor inlines; a tensor kept as a
+    plain attribute (not a parameter or buffer) is a lifted constant the package would hold."""
+    from qic.backends.inductor.build import baked_tensors
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, table: bool):
+            super().__init__()
+            self.table = torch.arange(4.0) if table else None
+
+        def forward(self, x):
+            y = x * torch.tensor(1e6)
+            return y + self.table if self.table is not None else y
+
+    for table in (False, True):
+        program = torch.export.export(Wrapped(table), (torch.randn(4),), strict=False)
+        assert bool(baked_tensors(program)) == table, baked_tensors(program)

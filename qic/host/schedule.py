@@ -92,7 +92,16 @@ def flow_match_schedule(config: Mapping, steps: int, image_seq_len: int) -> Sche
     if steps == 1 and config.get("shift_terminal"):
         # Stretching a one-point schedule to shift_terminal divides 0 by 0: diffusers yields NaN sigmas.
         raise ConfigError("steps must be >= 2 with this scheduler (shift_terminal is set)")
-    sigmas = np.array(np.linspace(1.0, 1 / steps, steps)).astype(np.float32)
+    return schedule_of(config, np.array(np.linspace(1.0, 1 / steps, steps)).astype(np.float32), image_seq_len)
+
+
+def schedule_of(config: Mapping, sigmas: np.ndarray, image_seq_len: int) -> Schedule:
+    """FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=...) step by step (float32 numpy, then torch): the
+    dynamic shift at mu(image_seq_len) or the static shift, the stretch to shift_terminal, the terminal 0."""
+    check_scheduler_config(config)
+    sigmas = np.asarray(sigmas, dtype=np.float32)
+    if len(sigmas) == 1 and config.get("shift_terminal"):
+        raise ConfigError("a one-step schedule cannot be stretched to shift_terminal (diffusers yields NaN)")
     if config.get("use_dynamic_shifting", False):
         mu = compute_mu(image_seq_len, config)
         if config.get("time_shift_type", "exponential") == "exponential":

@@ -245,10 +245,10 @@ class StackedLayers(nn.Module):
             # ("<built-in function getitem> is not an OpOverload"); it costs an [L] tensor.
             return out, out[0].new_zeros(())
 
-        custom = None if torch.compiler.is_compiling() else _LOOP.get()   # dynamo cannot trace a ContextVar
+        custom = None if torch.compiler.is_dynamo_compiling() else _LOOP.get()   # dynamo cannot trace a ContextVar
         if custom is not None:
             final = custom(layer, list(carry), list(xs.values()), invariants)
-        elif torch.compiler.is_compiling():
+        elif torch.compiler.is_dynamo_compiling():
             # Under dynamo (torch.compile, strict export) only the public wrapper is captured; it lifts
             # the closed-over invariants into additional_inputs itself.
             final, _ = scan(lambda c, w: layer(c, w, invariants), list(carry), list(xs.values()))

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -102,7 +101,9 @@ class InductorBackend(Backend):
         super().__init__(device)
         self.cpu_target = resolve_cpu_target(cpu_target)
         lacks = target_mismatch(host_target("cpu", self.cpu_target), "cpu")
-        if lacks:  # the build loads every graph it compiles (constant_names)
+        # Inductor's ISA check (pinned_vector_isa's bool(isa)) runs a probe here: on a machine without the level
+        # it would quietly give scalar kernels, so a level above this machine's is refused, not cross-built.
+        if lacks:
             raise ConfigError(f"cpu_target {self.cpu_target} cannot be built on this machine: {lacks}",
                               "build on a machine of that level, or choose a lower cpu_target")
 
@@ -145,6 +146,10 @@ class InductorBackend(Backend):
         from torch._inductor import aoti_compile_and_package
 
         program = traced.payload
+        baked = baked_tensors(program)
+        if baked:  # a weight-dependent constant would silently pin one checkpoint's values
+            raise RuntimeError(f"the exported graph holds tensors of its own {baked[:3]}; every tensor must be an "
+                               "input (the graph's weights are bound at load)")
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "graph.pt2"
         with warnings.catch_warnings():
@@ -156,25 +161,22 @@ class InductorBackend(Backend):
                 aoti_compile_and_package(program, package_path=str(path),
                                          inductor_configs=compile_options(self.device, cpu_target=self.cpu_target,
                                                                           collectives=has_collectives(program)))
-        baked = constant_names(path)
-        if baked:  # a weight-dependent constant would silently pin one checkpoint's values
-            raise RuntimeError(f"compiled graph holds constants {baked[:3]}; expected none")
         return CompiledGraph(file=path.name)
 
 
-# Run in a child process: torch's package loader never unmaps a loaded .so (nor frees the temporary copy
-# it extracts), so checking in the build process would keep every graph of the build mapped.
-_CONSTANTS_SCRIPT = """import json, sys, torch
-loader = torch._C._aoti.AOTIModelPackageLoader(sys.argv[1], "model", False, 1, -1)
-print(json.dumps(list(loader.get_constant_fqns())))"""
-
-
-def constant_names(path: Path) -> list[str]:
-    """The constants a compiled package holds, read by loading it in a child process (about 2 s)."""
-    proc = subprocess.run([sys.executable, "-c", _CONSTANTS_SCRIPT, str(path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"loading the compiled graph {path} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.splitlines()[-1])
+def baked_tensors(program) -> list[str]:
+    """The tensors an exported graph reads that are not its inputs: parameters and buffers (module state, where a
+    checkpoint's values would live) and lifted constants of more than one element, each with a user in the graph.
+    A 0-dim lifted constant is a number the code wrapped (RoPE's theta), which inductor writes into the kernels
+    as a literal. The weights are inputs (WeightsAsInputs replaces the module's own, which export still lists,
+    unread), so a graph built right reads none of these, and a compiled package's constants can only come from
+    them: checking here, before compiling, is the check on the package without loading it (reading a package's
+    constants took loading it in a child process, about 2 s a graph, since torch's loader never unmaps a .so)."""
+    sig = program.graph_signature
+    held = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+            **{n: fqn for n, fqn in sig.inputs_to_lifted_tensor_constants.items()
+               if program.constants[fqn].dim() > 0}}
+    return sorted(held[n.name] for n in program.graph.nodes if n.op == "placeholder" and n.name in held and n.users)
 
 
 def _compiler_env() -> dict:
