@@ -17,17 +17,16 @@ from qic.host.schedule import check_scheduler_config
 from qic.models.qwen_image_21.denoiser import TP_PLAN as DENOISER_TP
 from qic.models.qwen_image_21.denoiser import DenoiserConfig, QwenImage21Denoiser, denoiser_state_dict
 from qic.models.qwen_image_21.graphs import DECODE, PREFILL, denoiser_graph, text_encoder_graph, vae_decoder_graph
+from qic.models.qwen_image_21.host.prompt import SYSTEM_MESSAGE, prompt_text
+from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE
 from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser
-from qic.models.qwen_image_21.sampling import SIZE_MULTIPLE, VAE_SCALE
+from qic.models.qwen_image_21.text_encoder import TP_PLAN as TEXT_ENCODER_TP
 from qic.models.qwen_image_21.text_encoder import (
-    SYSTEM_MESSAGE,
     LoopedQwenImage21TextEncoder,
     QwenImage21TextEncoder,
     TextEncoder21Config,
-    prompt_text,
     text_encoder_state_dict,
 )
-from qic.models.qwen_image_21.text_encoder import TP_PLAN as TEXT_ENCODER_TP
 from qic.models.qwen_image_21.vae import QwenImage21VAEDecoder, VAE21Config, vae21_decoder_state_dict
 
 _HERE = __name__.rpartition(".")[0]

@@ -12,7 +12,7 @@
 Text to image only, so the prefix is the text: its bucket P equals the text bucket T = b (the encoder's rows,
 the dropped system rows' worth of padding at the end, masked by key_valid). One call per CFG branch (batch 1):
 each branch keeps its own prefix K/V. The per-request tensors (index, block_ids, key_valid, RoPE tables) are made
-by the host from qic.models.qwen_image_21.sequence, so one pair of graphs serves every prompt length that fits.
+by the host from qic.models.qwen_image_21.host.sequence, so one pair of graphs serves every prompt length that fits.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from qic.builder.graphs import GraphDef
 from qic.dtypes import TORCH_DTYPES
 from qic.graph_names import graph_name
-from qic.models.qwen_image_21.sampling import VAE_SCALE
+from qic.models.qwen_image_21.host.sampling import VAE_SCALE
 from qic.models.qwen_image_21.vae import QwenImage21VAEDecoder
 
 PREFILL, DECODE = "prefill", "decode"

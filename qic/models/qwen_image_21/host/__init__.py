@@ -11,7 +11,9 @@ prefix K/V stay resident, one per branch; on every later step the decode graph o
 (kv_cache=False: the prefill at every step, the pipeline's use_kv_cache=False). The Euler update in fp32 as the
 scheduler's step; the VAE decoder graph; the RGBA image as the pipeline's postprocess returns it.
 
-Only host code: no nn.Module, no model definition (the modules this imports are host arithmetic).
+Only host code: this package (the program, and its sampling, sequence and prompt modules) holds no nn.Module and
+no model definition, so a runtime may import all of it (qic.runtime.programs); the family's model modules import
+from it, never the other way.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from PIL import Image
 
 from qic.errors import ConfigError
 from qic.host.prompt import pick_bucket
-from qic.models.qwen_image_21.sampling import (
+from qic.models.qwen_image_21.host.prompt import prompt_text
+from qic.models.qwen_image_21.host.sampling import (
     DEFAULT_STEPS,
     VAE_SCALE,
     base_sigmas,
@@ -34,8 +37,7 @@ from qic.models.qwen_image_21.sampling import (
     schedule,
     to_images,
 )
-from qic.models.qwen_image_21.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
-from qic.models.qwen_image_21.text_encoder import prompt_text
+from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
 
 
 @dataclass
