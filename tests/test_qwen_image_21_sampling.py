@@ -21,7 +21,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from qic.errors import ConfigError
 from qic.models.common import load_weights
-from qic.models.qwen_image_21 import sampling as s
+from qic.models.qwen_image_21.host import sampling as s
 from qic.models.qwen_image_21.vae import (
     QwenImage21VAEDecoder,
     QwenImage21VAEEncoder,
