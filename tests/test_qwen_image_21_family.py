@@ -140,6 +140,32 @@ def test_a_stale_prefix_breaks_the_bound(bundle, pipe):
     assert _within(good, ref) and not _within(stale, ref)
 
 
+def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, tmp_path):
+    """A checkpoint with sample_sigmas in model_index.json (Turbo's form) samples on them, as many steps as they
+    are, as the pipeline does. The same architecture: the rebuild takes every graph from the compile cache."""
+    from qic.models.qwen_image_21.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    from tests.qwen_image_21_checkpoint import load_pipeline, write_checkpoint
+    sigmas = [1.0, 0.8, 0.45, 0.2]
+    turbo = write_checkpoint(tmp_path / "turbo", sample_sigmas=sigmas)
+    out = tmp_path / "bundle"
+    proc = qic("build", "--model", turbo, "--resolution", "{}x{}".format(*SIZE), "--text-buckets", BUCKET,
+               "--cache-dir", bundle.parent / "cache", "--output", out)
+    compiled = [line for line in proc.stdout.splitlines() if "compile" in line and "@" in line]
+    assert len(compiled) == 4 and not any("built" in line for line in compiled), proc.stdout
+    result = generate(Bundle(out), Request(PROMPT, seed=SEED))
+    assert result.request.steps == len(sigmas)
+    turbo_pipe = load_pipeline(turbo)
+
+    def reference(**kw):
+        return turbo_pipe(PROMPT, height=SIZE[0], width=SIZE[1], generator=torch.Generator().manual_seed(SEED),
+                          **kw).images[0]
+
+    assert _within(result.image, reference())
+    # ... and not the default linspace schedule of as many steps (what the pipeline does without sample_sigmas).
+    assert not _within(result.image, reference(sigmas=[1.0, 0.75, 0.5, 0.25]))
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--tp", "2"], "--tp 2"),
     (["--batch-sizes", "1,2"], "batch sizes"),
