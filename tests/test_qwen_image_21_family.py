@@ -67,6 +67,8 @@ def test_build_picks_the_family_and_holds_prefill_and_decode_graphs(bundle):
     assert [g["name"] for g in m["graphs"]] == ["text_encoder@L64", "denoiser@64x64@L64@prefill",
                                                 "denoiser@64x64@L64@decode", "vae_decoder@64x64"]
     assert m["tokenizer"] == "tokenizer" and (bundle / "tokenizer" / "vocab.json").is_file()
+    # qic serve's endpoints are text-to-image requests of qic.runtime.generate: it refuses this bundle in one line.
+    one_line_refusal(qic("serve", bundle, check=False), "host program is qic.models.qwen_image_21.host", "qic run")
 
 
 def test_qic_run_draws_the_pipelines_image_with_true_cfg_and_kv_cache(bundle, pipe, tmp_path):
