@@ -331,9 +331,10 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
         dtype = spec.dtype_of("denoiser")
         planned = [s for n, s in graph_shapes(spec) if n == "denoiser"]
         for h, w in spec.resolutions:
-            shape = {"resolution": [h, w], "bucket": bucket}
-            if shape not in planned:   # a family with no whole-step graph (Qwen-Image-2.1's prefill/decode)
+            # only for a whole-step graph the family plans (Qwen-Image-2.1 has prefill and decode graphs instead)
+            if {"resolution": [h, w], "bucket": max(spec.text_buckets)} not in planned:
                 continue
+            shape = {"resolution": [h, w], "bucket": bucket}
             # step_traffic reads every config (the step's and the VAE's scale), whole
             key = memo_name("traffic", code, shape=shape, dtype=dtype, layout=spec.layout.as_dict(),
                             configs={n: repr(c) for n, c in sorted(configs.items())})
