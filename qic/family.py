@@ -41,6 +41,7 @@ class Family:
     classes: tuple[str, ...]      # the model_index.json `_class_name`s it reads
     components: str               # the module holding its COMPONENTS (build time)
     host: str                     # the module of its host program (run time: qic.runtime.programs)
+    tokenizer: str = "tokenizer"  # the checkpoint folder holding its tokenizer files (Qwen-Image-2.1: processor)
 
     @property
     def package(self) -> str:

@@ -13,7 +13,7 @@ from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler,
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from qic.host.schedule import check_scheduler_config, compute_mu
-from qic.models.qwen_image_21 import sampling as s
+from qic.models.qwen_image_21.host import sampling as s
 from qic.models.qwen_image_21.vae import (
     QwenImage21VAEDecoder,
     QwenImage21VAEEncoder,

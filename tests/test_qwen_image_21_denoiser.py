@@ -30,8 +30,8 @@ from qic.models.qwen_image_21.denoiser import (
     rank_state_dict,
     target_attention_bias,
 )
+from qic.models.qwen_image_21.host.sequence import JointSequence, positions, prefix_inputs, rope_tables
 from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser
-from qic.models.qwen_image_21.sequence import JointSequence, positions, prefix_inputs, rope_tables
 from qic.parallel import tp as T
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
 

@@ -1,4 +1,4 @@
-"""Qwen-Image-2.1's host arithmetic (qic/models/qwen_image_21/sampling.py) against diffusers'
+"""Qwen-Image-2.1's host arithmetic (qic/models/qwen_image_21/host/sampling.py) against diffusers'
 QwenImage21Pipeline: its module functions called directly, and its own __call__ run end to end on a tiny
 random VAE made with diffusers' class, the real scheduler class, and stand-ins only where a model would
 be (the Qwen3-VL processor and encoder, the transformer), which record what the pipeline hands them."""
@@ -21,7 +21,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from qic.errors import ConfigError
 from qic.models.common import load_weights
-from qic.models.qwen_image_21 import sampling as s
+from qic.models.qwen_image_21.host import sampling as s
 from qic.models.qwen_image_21.vae import (
     QwenImage21VAEDecoder,
     QwenImage21VAEEncoder,

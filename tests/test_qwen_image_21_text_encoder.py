@@ -18,15 +18,15 @@ import torch
 
 from qic.errors import ConfigError
 from qic.models.common import load_weights
+from qic.models.qwen_image_21.host.prompt import expand_image_pads
+from qic.models.qwen_image_21.host.prompt import prompt_text as prompt_text_of
 from qic.models.qwen_image_21.text_encoder import (
     TP_PLAN,
     QwenImage21TextEncoder,
     TextEncoder21Config,
-    expand_image_pads,
     mrope_positions,
     text_encoder_state_dict,
 )
-from qic.models.qwen_image_21.text_encoder import prompt_text as prompt_text_of
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
 
 transformers = pytest.importorskip("transformers")
@@ -519,7 +519,7 @@ def test_prompt_text_is_the_pipelines(prompt, n_images):
 
 
 def test_expand_image_pads():
-    from qic.models.qwen_image_21.text_encoder import SYSTEM_MESSAGE
+    from qic.models.qwen_image_21.host.prompt import SYSTEM_MESSAGE
     assert all(prompt_text_of(p, n).startswith(SYSTEM_MESSAGE) for p, n in (("a", 0), ("b", 2)))  # what is dropped
     text = expand_image_pads(prompt_text_of("p", 2), GRIDS, merge_size=2)
     assert text.count("<|image_pad|>") == 6 + 8

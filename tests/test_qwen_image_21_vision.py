@@ -128,7 +128,7 @@ def test_vision_pixels_are_the_image_processors(size):
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from qic.models.qwen_image_21.sampling import vision_grid
+    from qic.models.qwen_image_21.host.sampling import vision_grid
     from qic.models.qwen_image_21.vision import IMAGE_MEAN, IMAGE_STD, vision_pixels
     cfg = VisionConfig.from_dict(_config_dict())
     h, w = size

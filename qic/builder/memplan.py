@@ -196,8 +196,9 @@ def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: di
 def fewest_layers(shape: dict) -> int:
     """Layers run one after another and only their fixed-size carry outlives a layer, so the fewest layers
     that leave each of the graph's block ranges one block (a step-caching part's: first, the middle, last)
-    have the same activation peak as L, at a fraction of the estimate's time."""
-    return shape["first"] + shape["last"] + 1 if "part" in shape else 1
+    have the same activation peak as L, at a fraction of the estimate's time. A part without block ranges (a
+    prefill or decode graph, which runs every block) is one block."""
+    return shape["first"] + shape["last"] + 1 if "first" in shape else 1
 
 
 def _at_depth(configs: dict, component: str, layers: int) -> dict:
@@ -328,7 +329,11 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
         bucket = max(spec.text_buckets) or DROP_TOKENS + MAX_PROMPT_TOKENS
         plan.layout = spec.layout
         dtype = spec.dtype_of("denoiser")
+        planned = [s for n, s in graph_shapes(spec) if n == "denoiser"]
         for h, w in spec.resolutions:
+            # only for a whole-step graph the family plans (Qwen-Image-2.1 has prefill and decode graphs instead)
+            if {"resolution": [h, w], "bucket": max(spec.text_buckets)} not in planned:
+                continue
             shape = {"resolution": [h, w], "bucket": bucket}
             # step_traffic reads every config (the step's and the VAE's scale), whole
             key = memo_name("traffic", code, shape=shape, dtype=dtype, layout=spec.layout.as_dict(),

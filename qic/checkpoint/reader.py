@@ -112,7 +112,8 @@ class Checkpoint:
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.root / "tokenizer"
+        """The tokenizer's folder: the family's (qic.family.Family.tokenizer) being built or run."""
+        return self.root / family.current().tokenizer
 
     def tokenizer_digest(self) -> str:
         """The tokenizer files' contents (small, so hashed whole): a bundle built from an edited tokenizer is

@@ -1,12 +1,13 @@
-"""The Qwen-Image-2.1 family (diffusers' QwenImage21Pipeline): build-time eager modules, pure torch.
+"""The Qwen-Image-2.1 family (diffusers' QwenImage21Pipeline), text to image through qic build / qic run.
 
-This folder will hold the whole family once the family seam (issue 30) lands: its eager modules (the
-block-causal single-stream denoiser in `denoiser.py`, with the per-request sequence tensors of `sequence.py`;
-the 2.1 VAE encoder and decoder in `vae.py`, later the Qwen3-VL language model and vision tower), the host
-arithmetic of `sampling.py` (schedule, sizes, packing), its component list
-with their graphs and buckets, its TP plan table, its checkpoint reader and tensor-name map, and its host
-program (the per-request sequence of graph calls: a prefill of the [text | conditions | target] sequence
-on the first step, then decodes of the target tokens against the resident prefix K/V).
-
-Nothing here is wired into the builder or the runtime yet; qic.runtime never imports this package.
+- `family.py`: the record (class QwenImage21Pipeline, tokenizer in the checkpoint's processor/ folder);
+- `components.py`: text_encoder per text bucket, denoiser as prefill + decode per resolution and bucket,
+  vae_decoder per resolution, and what is not wired yet refused in one line (validate);
+- `graphs.py`: the graph makers and their inputs (the runtime's contract);
+- eager modules: `denoiser.py` (block-causal single-stream DiT, prefill and cached decode) and `looped.py`,
+  `text_encoder.py` (Qwen3-VL language-model prefill), `vision.py` (Qwen3-VL vision tower, not yet a graph),
+  `vae.py` (encoder, not yet a graph, and decoder);
+- `host/`: the host program (`host/__init__.py`) and its host-only arithmetic: `sampling.py` (schedule, sizes,
+  noise, packing), `sequence.py` (the per-request prefix tensors), `prompt.py` (the pipeline's prompt text).
+  The runtime imports only this package of the folder (qic.runtime.programs); the model modules import from it.
 """

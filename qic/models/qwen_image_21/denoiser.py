@@ -18,7 +18,7 @@ a prefill followed by decodes is the arithmetic of diffusers' "extract" then "ca
 every step is its use_kv_cache=False.
 
 Same tensor names as diffusers (its state_dict loads with strict=True, no renaming); compile-friendly: real
-RoPE tables and the per-request sequence tensors are inputs (qic.models.qwen_image_21.sequence), no complex
+RoPE tables and the per-request sequence tensors are inputs (qic.models.qwen_image_21.host.sequence), no complex
 numbers, no host syncs, every shape static per graph. TP by the model's own `_tp_plan` (TP_PLAN below): each
 rank holds heads / tp attention heads and mlp_dim / tp SwiGLU columns; to_out and img_mlp.out are RowLinears
 whose `reduce` the TP plan sets; the shared modulation, the embeddings, norm_out and proj_out are replicated.
@@ -113,7 +113,7 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def prefix_attention_bias(block_ids: torch.Tensor, key_valid: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """[B, 1, P, P] additive bias of the prefix's queries over the prefix's keys: diffusers' block-causal rule,
     (q >= kv) or (the same image block, ids >= 0), and only keys key_valid [B, P] marks real. block_ids [P]:
-    -1 for text and padding, an image's number for its tokens (qic.models.qwen_image_21.sequence.prefix_inputs)."""
+    -1 for text and padding, an image's number for its tokens (qic.models.qwen_image_21.host.sequence.prefix_inputs)."""
     pos = torch.arange(block_ids.shape[0], device=block_ids.device)
     same_image = (block_ids[:, None] == block_ids[None, :]) & (block_ids[:, None] >= 0)
     allowed = (pos[:, None] >= pos[None, :]) | same_image

@@ -107,7 +107,7 @@ IMAGE_STD = (0.5, 0.5, 0.5)
 
 def vision_pixels(image, grid: tuple[int, int], cfg: VisionConfig, mean=IMAGE_MEAN, std=IMAGE_STD) -> torch.Tensor:
     """An RGB PIL image -> the normalised [3, gh * patch, gw * patch] float32 image the processor patchifies
-    (grid (gh, gw) from qic.models.qwen_image_21.sampling.vision_grid): PIL bicubic resize of the uint8 image,
+    (grid (gh, gw) from qic.models.qwen_image_21.host.sampling.vision_grid): PIL bicubic resize of the uint8 image,
     scaled by 1/255, then (x - mean) / std per channel, as Qwen2VLImageProcessorPil does. Host side."""
     import numpy as np
     from PIL import Image

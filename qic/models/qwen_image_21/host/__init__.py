@@ -1,0 +1,156 @@
+"""Qwen-Image-2.1's host program (qic.runtime.programs): host code over a bundle's graphs, as diffusers'
+QwenImage21Pipeline runs text to image.
+
+Per request: the t2i template tokenised (qic's tokenizer on the checkpoint's files), right-padded to the smallest
+text bucket; the encoder graph; its rows from the dropped system tokens on (zero padding to the bucket, masked as
+keys); the schedule (the checkpoint's sample_sigmas when it has them, else linspace over `steps`, shifted as the
+scheduler config says: sampling.py); the pipeline's initial noise for a CPU generator of `seed`. Then per step:
+on the first, the prefill graph over [text | target] for each CFG branch (true CFG when guidance > 1 and a
+negative prompt is given, as the pipeline's true_cfg_scale: neg + g * (cond - neg), no renormalisation), whose
+prefix K/V stay resident, one per branch; on every later step the decode graph of the target against them
+(kv_cache=False: the prefill at every step, the pipeline's use_kv_cache=False). The Euler update in fp32 as the
+scheduler's step; the VAE decoder graph; the RGBA image as the pipeline's postprocess returns it.
+
+Only host code: this package (the program, and its sampling, sequence and prompt modules) holds no nn.Module and
+no model definition, so a runtime may import all of it (qic.runtime.programs); the family's model modules import
+from it, never the other way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from qic.errors import ConfigError
+from qic.host.prompt import pick_bucket
+from qic.models.qwen_image_21.host.prompt import prompt_text
+from qic.models.qwen_image_21.host.sampling import (
+    DEFAULT_STEPS,
+    VAE_SCALE,
+    base_sigmas,
+    image_seq_len,
+    initial_noise,
+    model_timesteps,
+    schedule,
+    to_images,
+)
+from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
+
+
+@dataclass
+class Request:
+    prompt: str
+    negative_prompt: str | None = None
+    steps: int | None = None          # None: the checkpoint's sample_sigmas, else the pipeline's 40
+    guidance: float | None = None     # the pipeline's true_cfg_scale (default 1: off)
+    seed: int | None = None
+    height: int | None = None
+    width: int | None = None
+    kv_cache: bool = True
+
+
+@dataclass
+class Result:
+    image: Image.Image
+    request: Request
+    timings: dict = field(default_factory=dict)
+    bucket: int = 0
+
+
+@dataclass
+class _Branch:
+    """One CFG branch's per-request tensors, and its resident prefix K/V once prefilled."""
+    text: torch.Tensor
+    index: torch.Tensor
+    block_ids: torch.Tensor
+    key_valid: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv: tuple | None = None
+
+
+def _defaults(model, req: Request) -> Request:
+    d = model.defaults
+    sample = model.manifest.get("sample_sigmas")
+    if req.steps is None:
+        req.steps = d.get("steps", len(sample) if sample else DEFAULT_STEPS)
+    elif sample and req.steps != len(sample):
+        raise ConfigError(f"the checkpoint samples on its {len(sample)} sample_sigmas; steps {req.steps} differs",
+                          f"drop --steps, or give --steps {len(sample)}")
+    if req.guidance is None:
+        req.guidance = d.get("guidance", 1.0)
+    if req.seed is None:
+        req.seed = 0
+    if req.height is None and req.width is None:
+        req.height, req.width = model.resolutions[0]
+    model.check_resolution(req.height, req.width)
+    return req
+
+
+def _ids(model, prompt: str) -> list[int]:
+    return model.tokenizer.encode(prompt_text(prompt)).ids
+
+
+def _branch(model, encoder, ids: list[int], bucket: int, target: tuple[int, int], axes) -> _Branch:
+    drop = model.prompt["drop_tokens"]
+    padded = torch.zeros(1, bucket, dtype=torch.long)
+    padded[0, :len(ids)] = torch.tensor(ids)
+    mask = (torch.arange(bucket) < len(ids)).long()[None]
+    hidden = encoder(padded, mask)[0]
+    rows = len(ids) - drop
+    text = torch.zeros_like(hidden)
+    text[:, :rows] = hidden[:, drop:len(ids)]
+    seq = JointSequence(((TEXT, rows),), target)
+    index, block_ids, key_valid = prefix_inputs(seq, bucket, bucket)
+    cos, sin = rope_tables(axes, seq, bucket)
+    return _Branch(text, index, block_ids, key_valid.long(), cos, sin)
+
+
+def generate(model, req: Request) -> Result:
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    req = _defaults(model, req)
+    h, w = req.height, req.width
+    cfg = req.guidance > 1 and req.negative_prompt is not None
+    prompts = [req.prompt] + ([req.negative_prompt] if cfg else [])
+    ids = [_ids(model, p) for p in prompts]
+    bucket = pick_bucket(max(len(i) for i in ids), model.buckets)
+    timings["tokenize"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    encoder = model.graph("text_encoder", bucket=bucket)
+    grid = (h // VAE_SCALE, w // VAE_SCALE)
+    axes = model.manifest["denoiser"]["axes_dims_rope"]
+    branches = [_branch(model, encoder, i, bucket, grid, axes) for i in ids]
+    timings["encode"] = time.perf_counter() - t
+
+    sigmas = base_sigmas(model.manifest.get("sample_sigmas"), req.steps)
+    sched = schedule(model.scheduler, sigmas, image_seq_len(h, w))
+    timesteps = model_timesteps(sched)
+    latents = initial_noise(req.seed, model.latents["z_dim"], h, w)
+    prefill = model.graph("denoiser", (h, w), bucket, part="prefill")
+    decode = model.graph("denoiser", (h, w), bucket, part="decode")
+    n = bucket
+    for i in range(len(timesteps)):
+        t = time.perf_counter()
+        ts = timesteps[i:i + 1]
+        preds = []
+        for b in branches:
+            if b.kv is None or not req.kv_cache:
+                pred, k, v = prefill(b.text, latents, ts, b.index, b.block_ids, b.key_valid, b.cos, b.sin)
+                b.kv = (k, v)
+            else:
+                (pred,) = decode(latents, ts, *b.kv, b.key_valid, b.cos[n:], b.sin[n:])
+            preds.append(pred.float())
+        pred = preds[1] + req.guidance * (preds[0] - preds[1]) if cfg else preds[0]
+        latents = latents.float() + (sched.sigmas[i + 1] - sched.sigmas[i]) * pred
+        timings[f"step{i}"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    (pixels,) = model.graph("vae_decoder", (h, w))(latents)
+    image = to_images(pixels)[0]
+    timings["decode"] = time.perf_counter() - t
+    return Result(image, req, timings, bucket)

@@ -1,0 +1,180 @@
+"""Qwen-Image-2.1 through qic build / qic run, text to image, against diffusers' QwenImage21Pipeline.
+
+One build of a tiny random 2.1 checkpoint in the real layout (tests/qwen_image_21_checkpoint.py: diffusers' and
+transformers' own classes) at 64x64 with one text bucket: four graphs (text encoder, denoiser prefill and
+decode, VAE decoder), inductor CPU, fp32. `qic build --model DIR` picks the family from model_index.json's
+QwenImage21Pipeline; `qic run` runs the family's own host program (prefill on the first step, decode after it,
+the prefix K/V resident per CFG branch) and draws what the pipeline draws on the same checkpoint, seed and steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import ROOT, image_diff, qic
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL, one_line_refusal
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+SIZE, BUCKET, STEPS, SEED = (64, 64), 64, 3, 7
+PROMPT, NEGATIVE, GUIDANCE = "a red circle on a blue background", "a green square", 4.0
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.qwen_image_21_checkpoint import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("q21") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def bundle(ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("q21build")
+    out = root / "bundle"
+    qic("build", "--model", ckpt, "--resolution", "{}x{}".format(*SIZE), "--text-buckets", BUCKET,
+        "--cache-dir", root / "cache", "--output", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipe(ckpt):
+    from tests.qwen_image_21_checkpoint import load_pipeline
+    return load_pipeline(ckpt)
+
+
+def _reference(pipe, prompt=PROMPT, negative=NEGATIVE, seed=SEED, use_kv_cache=True):
+    kw = dict(negative_prompt=negative, true_cfg_scale=GUIDANCE) if negative else {}
+    return pipe(prompt, height=SIZE[0], width=SIZE[1], num_inference_steps=STEPS, use_kv_cache=use_kv_cache,
+                generator=torch.Generator().manual_seed(seed), **kw).images[0]
+
+
+def _within(a, b) -> bool:
+    mx, mean = image_diff(a, b)
+    print(f"max {mx:.0f}/255, mean {mean:.4f}")
+    return mx <= MAX_PIXEL and mean <= MEAN_PIXEL
+
+
+def test_build_picks_the_family_and_holds_prefill_and_decode_graphs(bundle):
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["family"] == {"name": "qwen-image-2.1", "host": "qic.models.qwen_image_21.host"}
+    assert [g["name"] for g in m["graphs"]] == ["text_encoder@L64", "denoiser@64x64@L64@prefill",
+                                                "denoiser@64x64@L64@decode", "vae_decoder@64x64"]
+    assert m["tokenizer"] == "tokenizer" and (bundle / "tokenizer" / "vocab.json").is_file()
+    # qic serve's endpoints are text-to-image requests of qic.runtime.generate: it refuses this bundle in one line.
+    one_line_refusal(qic("serve", bundle, check=False), "host program is qic.models.qwen_image_21.host", "qic run")
+
+
+def test_qic_run_draws_the_pipelines_image_with_true_cfg_and_kv_cache(bundle, pipe, tmp_path):
+    # qic run in a fresh process, as a user runs it; it imports the family's host package and no model code.
+    png = tmp_path / "q21.png"
+    probe = f"""
+import sys
+from qic.cli.run import run_cli
+run_cli({str(bundle)!r}, {{"prompt": {PROMPT!r}, "negative_prompt": {NEGATIVE!r}, "guidance": {GUIDANCE},
+         "seed": {SEED}, "steps": {STEPS}, "output": {str(png)!r}}})
+print("MODELS", " ".join(sorted(m for m in sys.modules if m.startswith("qic.models"))))
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = proc.stdout.split("MODELS ")[1].split()
+    assert all(m in ("qic.models", "qic.models.qwen_image_21") or m.startswith("qic.models.qwen_image_21.host")
+               for m in loaded), loaded
+    ours = Image.open(png)
+    assert ours.mode == "RGBA" and ours.size == SIZE[::-1]
+    assert _within(ours, _reference(pipe))
+    # The bound can fail: the pipeline's image of another seed, or of another negative prompt, is outside it.
+    assert not _within(ours, _reference(pipe, seed=SEED + 1))
+    assert not _within(ours, _reference(pipe, negative="a yellow triangle"))
+
+
+def test_no_cfg_and_no_kv_cache_match_the_pipeline(bundle, pipe):
+    from qic.models.qwen_image_21.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    b = Bundle(bundle)
+    plain = generate(b, Request(PROMPT, seed=SEED, steps=STEPS)).image
+    assert _within(plain, _reference(pipe, negative=None))
+    # kv_cache=False: the prefill at every step, the pipeline's use_kv_cache=False (the same image within
+    # rounding, as the prefix is modulated at t = 0: both must hold).
+    full = generate(b, Request(PROMPT, negative_prompt=NEGATIVE, guidance=GUIDANCE, seed=SEED, steps=STEPS,
+                               kv_cache=False)).image
+    assert _within(full, _reference(pipe, use_kv_cache=False))
+
+
+def test_a_stale_prefix_breaks_the_bound(bundle, pipe):
+    """The decode steps attend to the prefix K/V of another prompt (what a cache kept across requests would
+    give): the image leaves the bound, so the test above would see a prefix that is not the request's."""
+    from qic.models.qwen_image_21 import host
+    from qic.runtime.bundle import Bundle
+    b = Bundle(bundle)
+    prefill = b.graph("denoiser", SIZE, BUCKET, part="prefill")
+    other = host._branch(b, b.graph("text_encoder", bucket=BUCKET), host._ids(b, "a white triangle"), BUCKET,
+                         (SIZE[0] // 16, SIZE[1] // 16), b.manifest["denoiser"]["axes_dims_rope"])
+    latents = host.initial_noise(SEED, b.latents["z_dim"], *SIZE)
+    _, k, v = prefill(other.text, latents, torch.ones(1), other.index, other.block_ids, other.key_valid,
+                      other.cos, other.sin)
+
+    class Stale:
+        """The bundle, with the decode graph handed the other prompt's prefix K/V."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def graph(self, component, *args, part=None, **kw):
+            g = self.inner.graph(component, *args, part=part, **kw)
+            if part != "decode":
+                return g
+            return lambda target, ts, _k, _v, *rest: g(target, ts, k, v, *rest)
+
+    good = host.generate(b, host.Request(PROMPT, seed=SEED, steps=STEPS)).image
+    stale = host.generate(Stale(b), host.Request(PROMPT, seed=SEED, steps=STEPS)).image
+    ref = _reference(pipe, negative=None)
+    assert _within(good, ref) and not _within(stale, ref)
+
+
+def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, tmp_path):
+    """A checkpoint with sample_sigmas in model_index.json (Turbo's form) samples on them, as many steps as they
+    are, as the pipeline does. The same architecture: the rebuild takes every graph from the compile cache."""
+    from qic.models.qwen_image_21.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    from tests.qwen_image_21_checkpoint import load_pipeline, write_checkpoint
+    sigmas = [1.0, 0.8, 0.45, 0.2]
+    turbo = write_checkpoint(tmp_path / "turbo", sample_sigmas=sigmas)
+    out = tmp_path / "bundle"
+    proc = qic("build", "--model", turbo, "--resolution", "{}x{}".format(*SIZE), "--text-buckets", BUCKET,
+               "--cache-dir", bundle.parent / "cache", "--output", out)
+    compiled = [line for line in proc.stdout.splitlines() if "compile" in line and "@" in line]
+    assert len(compiled) == 4 and not any("built" in line for line in compiled), proc.stdout
+    result = generate(Bundle(out), Request(PROMPT, seed=SEED))
+    assert result.request.steps == len(sigmas)
+    turbo_pipe = load_pipeline(turbo)
+
+    def reference(**kw):
+        return turbo_pipe(PROMPT, height=SIZE[0], width=SIZE[1], generator=torch.Generator().manual_seed(SEED),
+                          **kw).images[0]
+
+    assert _within(result.image, reference())
+    # ... and not the default linspace schedule of as many steps (what the pipeline does without sample_sigmas).
+    assert not _within(result.image, reference(sigmas=[1.0, 0.75, 0.5, 0.25]))
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--tp", "2"], "--tp 2"),
+    (["--batch-sizes", "1,2"], "batch sizes"),
+    (["--text-buckets", "0"], "exact-length text"),
+])
+def test_what_is_not_wired_yet_is_refused_in_one_line(ckpt, tmp_path, flags, needle):
+    proc = qic("build", "--model", ckpt, "--resolution", "64x64", *flags, "--cache-dir", tmp_path / "cache",
+               "--output", tmp_path / "out", check=False)
+    one_line_refusal(proc, "Qwen-Image-2.1", needle, "not yet")
+    assert not (tmp_path / "out").exists()
