@@ -31,6 +31,7 @@ from pathlib import Path
 
 from qic.errors import ConfigError
 
+EMBEDDED_CLASS = "QwenImagePipeline"   # the class every embedded checkpoint's model_index.json names
 ENTRY_POINTS = "qic.families"   # the entry point group of families installed outside qic (value: module:FAMILY)
 _MODELS = Path(__file__).resolve().parent / "models"
 
@@ -42,6 +43,9 @@ class Family:
     components: str               # the module holding its COMPONENTS (build time)
     host: str                     # the module of its host program (run time: qic.runtime.programs)
     tokenizer: str = "tokenizer"  # the checkpoint folder holding its tokenizer files (Qwen-Image-2.1: processor)
+    # The back ends its graphs are made for (qic.backends' names; None: every one). Checked by the build before any
+    # work (qic.spec, when the build config is read), so no family code asks which back end it is built for.
+    backends: tuple[str, ...] | None = None
 
     @property
     def package(self) -> str:
@@ -169,8 +173,7 @@ def of_model_index(path: Path) -> Family:
 
 def default() -> Family:
     """The family of the embedded checkpoints (qic build's default model)."""
-    from qic.checkpoint.presets import PIPELINE_CLASS
-    return for_class(PIPELINE_CLASS, "the embedded checkpoints")
+    return for_class(EMBEDDED_CLASS, "the embedded checkpoints")
 
 
 _current: list[Family] = []   # the family being built (use); empty: default()

@@ -185,6 +185,10 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
     tp = _positive_int(raw.get("tp", d.tp), "tp", at("tp"))
     model = _optional_str(raw.get("model", d.model), "model", at("model"))
     fam = model_family(model)
+    if fam.backends is not None and backend not in fam.backends:   # the family record's own list (qic.family)
+        raise ConfigError(f"{at('backend')}: the {fam.name} family's graphs are made for the "
+                          f"{' and '.join(fam.backends)} back end{'s' if len(fam.backends) > 1 else ''}, not {backend} "
+                          "(not yet)", f"build with --backend {fam.backends[0]}")
     known = family.names(fam)
     components = _str_list(raw.get("components", list(known)), "components", at("components"))
     for c in components:
@@ -497,7 +501,7 @@ def model_family(model: str | None) -> family.Family:
     hub cache. Otherwise (a directory without one, a hub repo not fetched yet) the default family: the checkpoint
     reader reports a missing directory or file when the build resolves it, and the build checks that the fetched
     checkpoint is of the family its spec was checked for (qic.builder.context)."""
-    from qic.builder.source import local_model_index
+    from qic.checkpoint.model_index import local_model_index
 
     index = local_model_index(model)
     return family.of_model_index(index) if index is not None else family.default()

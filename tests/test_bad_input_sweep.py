@@ -193,6 +193,7 @@ def test_generated_run_options_are_accepted_or_refused_in_one_line(flags, lines,
     import qic.cli.run as run_verb
     from qic.cli import main
     from qic.runtime.generate import validate
+    from qic.runtime.programs import program_of
 
     def checked(b, req):
         validate(req, loaded)
@@ -202,7 +203,7 @@ def test_generated_run_options_are_accepted_or_refused_in_one_line(flags, lines,
         return loaded
     load.seconds_loading = 0.0   # what run's load clock reads of the Bundle class
     monkeypatch.setattr(run_verb, "Bundle", load)
-    monkeypatch.setattr(run_verb, "generate", checked)
+    monkeypatch.setattr(program_of(loaded.manifest), "generate", checked)   # the bundle's host program's
     args = ["run", str(bundle)]
     if use_file:
         prompts = tmp_path_factory.getbasetemp() / "sweep-prompts.jsonl"

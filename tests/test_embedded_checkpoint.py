@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 
 from qic.checkpoint import presets
 from qic.checkpoint.embedded import MARKER_NAME, VAE_KERNEL_SCALE, is_complete, write_checkpoint
-from qic.errors import CheckpointError
-from qic.models.qwen_image.tensor_names import (
+from qic.checkpoint.tensor_names import (
     hub_to_transformers5,
     text_encoder_tensors,
     transformer_tensors,
     vae_tensors,
 )
+from qic.errors import CheckpointError
 
 PRESETS = ["tiny", "tiny-alt"]
 

@@ -4,16 +4,14 @@ directory, or a hub id."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from qic import family
 from qic.cache import layout
+from qic.checkpoint.model_index import EMBEDDED_PREFIX, is_hub_id, local_model_index  # noqa: F401 (re-exported)
 from qic.checkpoint.reader import Checkpoint
 from qic.errors import CheckpointError
 
-EMBEDDED_PREFIX = "embedded:"   # embedded:shapes (the default, trained), embedded:tiny, embedded:tiny-alt, ...
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Files a build needs from a hub repo; the vision tower lives in the text encoder shards and is simply not read.
 _HUB_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "text_encoder/*", "transformer/*", "vae/*"]
 # What compiling needs (`qic warm`): configs and the tokenizer, not the weights.
@@ -45,11 +43,6 @@ def display_name(model: str | None) -> str:
     return model or f"{EMBEDDED_PREFIX}{embedded_preset(None)}"
 
 
-def is_hub_id(model: str) -> bool:
-    """ORG/NAME that is not an existing path nor written as one (./x, /x, ~/x): a hub repository id."""
-    return not (Path(model).expanduser().exists() or model.startswith((".", "/", "~"))) and bool(_HUB_ID.match(model))
-
-
 def _from_hub(repo_id: str, patterns: list[str] = _HUB_PATTERNS) -> Path:
     """Resolve through huggingface-hub; HF_HUB_OFFLINE=1 uses only the local hub cache."""
     from huggingface_hub import snapshot_download
@@ -65,20 +58,6 @@ def _from_hub(repo_id: str, patterns: list[str] = _HUB_PATTERNS) -> Path:
     except Exception as e:  # network errors, missing repos, auth: one line naming the id
         raise CheckpointError(f"{repo_id}: hub resolution failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                               "check the id, your network, or pass a local directory") from None
-
-
-def local_model_index(model: str | None) -> Path | None:
-    """The model_index.json of a model where it is on this machine without a download: a local directory's, or
-    a hub id's in the local hub cache; None for an embedded model (its class: qic.checkpoint.presets), or where
-    there is none to read yet."""
-    if model is None or model.startswith(EMBEDDED_PREFIX):
-        return None
-    if not is_hub_id(model):
-        index = Path(model).expanduser() / "model_index.json"
-        return index if index.is_file() else None
-    from huggingface_hub import try_to_load_from_cache
-    found = try_to_load_from_cache(model, "model_index.json")
-    return Path(found) if isinstance(found, str) else None
 
 
 def check_family(spec, ckpt: Checkpoint) -> family.Family:

@@ -55,8 +55,8 @@ import torch
 from safetensors.torch import save_file
 
 from qic.checkpoint import presets as _presets
+from qic.checkpoint.tensor_names import text_encoder_tensors, transformer_tensors, vae_tensors
 from qic.errors import CheckpointError
-from qic.models.qwen_image.tensor_names import text_encoder_tensors, transformer_tensors, vae_tensors
 from qic.tokenizer import (
     QWEN2_PRETOKENIZE_REGEX,
     added_token_entry,

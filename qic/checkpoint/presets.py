@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 
-PIPELINE_CLASS = "QwenImagePipeline"   # what every embedded checkpoint's model_index.json names (qic.family.default)
+from qic.family import EMBEDDED_CLASS
+
+PIPELINE_CLASS = EMBEDDED_CLASS   # what every embedded checkpoint's model_index.json names (qic.family.default)
 
 # The embedded tokenizer: byte-level BPE with TOKENIZER_REGULAR ordinary tokens (256 bytes + merges),
 # then Qwen2's special tokens in their real order (151643.. in the real vocab), then unused ids up to

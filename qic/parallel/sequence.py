@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 
 from qic.errors import ConfigError
-from qic.models.qwen_image.mmdit import JointAttention
-from qic.models.qwen_image.ulysses import UlyssesShard
 from qic.parallel.mesh import Layout
 from qic.parallel.tp import apply_tp
 
@@ -90,13 +88,13 @@ def check_layout(layout: Layout, heads: int) -> None:
                           f"use ulysses dividing {left}, or a smaller tp")
 
 
-def ulysses_shard(layout: Layout) -> UlyssesShard | None:
-    """A step graph's Ulysses token sharding with the sequence group's token gather and figure sum (None: no
-    Ulysses)."""
+def ulysses_collectives(layout: Layout) -> tuple[StackGather, SumReduce] | None:
+    """A step graph's Ulysses token gather and figure sum over the sequence group (None: no Ulysses); the family's
+    token sharding takes them (Qwen-Image: qic.models.qwen_image.ulysses.ulysses_shard)."""
     if layout.ulysses == 1:
         return None
     sp = layout.group_name("sp")
-    return UlyssesShard(layout.ulysses, StackGather(sp, layout.ulysses), SumReduce(sp))
+    return StackGather(sp, layout.ulysses), SumReduce(sp)
 
 
 def cfg_gather(layout: Layout) -> RowGather | None:
@@ -108,11 +106,12 @@ def apply_layout(module: torch.nn.Module, layout: Layout) -> None:
     """Set the collective hooks inside `module`'s denoiser for `layout`: TP's reduces and gathers and Ulysses'
     q/k/v exchanges (none at size 1). These are set on the one denoiser module every graph of a build shares
     (and that the memory plan swaps for stand-ins); the step graphs' own collectives (Ulysses' token gather and
-    figure sum, CFG-parallel's prediction gather) are their constructors' arguments (ulysses_shard, cfg_gather)."""
+    figure sum, CFG-parallel's prediction gather) are their constructors' arguments (the family's token sharding
+    over ulysses_collectives, and cfg_gather). An attention takes the exchange if it has the `exchange` hook."""
     if layout.tp > 1:
         apply_tp(module, layout.group_name("tp"))
     if layout.ulysses > 1:
         exchange = HeadExchange(layout.group_name("sp"), layout.ulysses)
         for m in module.modules():
-            if isinstance(m, JointAttention):
+            if hasattr(m, "exchange"):   # an attention with Ulysses' q/k/v hook (Qwen-Image's JointAttention)
                 m.exchange = exchange

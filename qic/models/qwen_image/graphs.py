@@ -28,10 +28,10 @@ from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
 from qic.models.qwen_image.mmdit import rope_tables
 from qic.models.qwen_image.step import DenoiseStep
 from qic.models.qwen_image.step_cache import StepHead, StepMiddle, StepTail
-from qic.models.qwen_image.ulysses import padded
+from qic.models.qwen_image.ulysses import padded, ulysses_shard
 from qic.models.qwen_image.vae_decoder import QwenVAEDecoder
 from qic.parallel.mesh import Layout
-from qic.parallel.sequence import apply_layout, cfg_gather, ulysses_shard
+from qic.parallel.sequence import apply_layout, cfg_gather
 
 
 class StepGraph(nn.Module):

@@ -31,7 +31,7 @@ class DenoiseStep(nn.Module):
         None: all).
         cfg_gather: CFG-parallel, [B, S, C] -> [2B, S, C], both branches' predictions in CFG-rank order, i.e.
         [cond rows | uncond rows] (None: one device runs both). The layout's collectives, made by
-        qic.parallel.sequence (ulysses_shard, cfg_gather)."""
+        qic.models.qwen_image.ulysses.ulysses_shard and qic.parallel.sequence.cfg_gather."""
         super().__init__()
         self.mmdit = mmdit
         self.cfg = cfg

@@ -8,7 +8,7 @@ text, so latents stay identical everywhere):
 - run the input projections, blocks and output projection on its chunk; inside each attention
   (JointAttention.exchange) one all-to-all gives every rank all tokens of 1/U of the heads, and one back;
 - gather the output projection's image tokens from every rank (`gather`, a collective the step graph's maker
-  passes in: qic.parallel.sequence.ulysses_shard) and drop the padding.
+  passes in: ulysses_shard below) and drop the padding.
 
 Key order. A rank's chunk is [its text tokens | its image tokens], so after the all-to-all the keys are in
 rank-interleaved order [txt_0 | img_0 | txt_1 | img_1 | ...], not [text | image]: the key-padding mask is
@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qic.parallel.sequence import ulysses_collectives
 
 
 def padded(n: int, size: int) -> int:
@@ -51,7 +53,7 @@ class UlyssesShard(nn.Module):
 
     def __init__(self, size: int, gather=None, reduce=None):
         """gather: [B, n, C] -> [size, B, n, C], every rank's chunk; reduce: a sum over the group (the step-cache
-        figure's two sums). Both the sequence group's collectives (qic.parallel.sequence.ulysses_shard)."""
+        figure's two sums). Both the sequence group's collectives (qic.parallel.sequence.ulysses_collectives)."""
         super().__init__()
         self.size, self.gather, self.reduce = size, gather, reduce
 
@@ -108,3 +110,10 @@ class UlyssesShard(nn.Module):
         img, _ = mmdit.blocks(img, txt, temb, mask, self.tables(rope_cos, n_txt, sp_rank),
                               self.tables(rope_sin, n_txt, sp_rank))
         return self.unsplit(mmdit.output(img, temb), n_img)     # this rank's tokens, gathered and unpadded
+
+
+def ulysses_shard(layout) -> UlyssesShard | None:
+    """A step graph's Ulysses token sharding with the sequence group's token gather and figure sum
+    (qic.parallel.sequence.ulysses_collectives; None: no Ulysses)."""
+    collectives = ulysses_collectives(layout)
+    return None if collectives is None else UlyssesShard(layout.ulysses, *collectives)

@@ -99,8 +99,6 @@ def drop_tokens(tokenizer) -> int:
 
 def validate(spec, ctx) -> None:
     """What a 2.1 build can do today; everything else is one line naming it."""
-    if spec.backend != "inductor":
-        _refuse(f"the {spec.backend} back end", "build with --backend inductor")
     if spec.tp != 1:
         _refuse(f"--tp {spec.tp} (the TP plans are the modules' own, but no TP parity is checked here)", "use --tp 1")
     if not spec.layout.plain:
