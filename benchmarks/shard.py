@@ -85,7 +85,7 @@ def transformer_config(layers: int, width: dict = REAL_WIDTH) -> dict:
 
 
 def _tensors(layers: int, width: dict = REAL_WIDTH) -> list[tuple[str, tuple[int, ...]]]:
-    from qic.models.qwen_image.tensor_names import transformer_tensors
+    from qic.checkpoint.tensor_names import transformer_tensors
     return transformer_tensors(transformer_config(layers, width))
 
 
