@@ -137,3 +137,12 @@ class VocabEmbedding(nn.Module):
         x = torch.nn.functional.embedding(torch.where(inside, local, 0), self.weight)
         x = torch.where(inside[..., None], x, 0)
         return x if self.reduce is None else self.reduce(x)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D]; pairs (2i, 2i+1) as (re, im) rotated by angle i: the real form of diffusers' complex
+    x * e^{i a} (cos/sin [S, D/2]), in fp32 like diffusers (Qwen-Image's and Qwen-Image-2.1's attention)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    re, im = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack([re * c - im * s, re * s + im * c], -1).flatten(-2).to(x.dtype)

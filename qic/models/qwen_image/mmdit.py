@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
-from qic.models.common import GatherLinear, RMSNorm, RowLinear, check_config_keys, require_value
+from qic.models.common import GatherLinear, RMSNorm, RowLinear, apply_rope, check_config_keys, require_value
 from qic.models.looped import StackedLayers, template_layer
 
 COMPONENT = "transformer"
@@ -124,14 +124,6 @@ def rope_tables(config: MMDiTConfig, height: int, width: int, txt_len: int) -> t
     pos = rope_positions(height, width, txt_len)
     angles = torch.cat([_axis_angles(pos[:, k], dim) for k, dim in enumerate(config.axes_dims_rope)], -1)
     return torch.cos(angles), torch.sin(angles)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D]; pairs (2i, 2i+1) as (re, im) rotated by angle i: the real form of diffusers' x * e^{i a}."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    re, im = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack([re * c - im * s, re * s + im * c], -1).flatten(-2).to(x.dtype)
 
 
 # ---------------------------------------------------------------- modules (names mirror diffusers' tensors)

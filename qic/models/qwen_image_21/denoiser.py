@@ -37,7 +37,7 @@ from torch import nn
 
 from qic.errors import ConfigError
 from qic.family import COLUMN, ROW, TPPlan
-from qic.models.common import RMSNorm, RowLinear, check_config_keys, require_value
+from qic.models.common import RMSNorm, RowLinear, apply_rope, check_config_keys, require_value
 
 COMPONENT = "transformer"
 TIME_PROJ_DIM = 256      # diffusers' QwenImage21TimestepProjEmbeddings: a fixed 256-wide sinusoid
@@ -127,15 +127,6 @@ def target_attention_bias(key_valid: torch.Tensor, target_len: int, dtype=torch.
 
 
 # ------------------------------------------------------------------------------- layers (diffusers' names)
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D]; pairs (2i, 2i+1) as (re, im) rotated by angle i: the real form of diffusers' complex
-    x * e^{i a} (cos/sin [S, D/2]), in fp32 like diffusers."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    re, im = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack([re * c - im * s, re * s + im * c], -1).flatten(-2).to(x.dtype)
-
 
 def timestep_proj(t: torch.Tensor) -> torch.Tensor:
     """diffusers' QwenImage21TemporalTimesteps(256): [cos | sin] of (1000 t) f_k, in fp32 whatever the model
