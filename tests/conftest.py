@@ -168,6 +168,41 @@ def bundle_batch2(shared_dir, cache_dir, tiny_ckpt) -> Path:
                   "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--batch-sizes", "1,2")[0]
 
 
+# ---- Qwen-Image-2.1 (tests/qwen_image_21_checkpoint.py: diffusers' and transformers' own classes) ---------
+
+Q21_SIZE, Q21_BUCKET = (64, 64), 64     # one resolution, one text bucket (the 2.1 template is about 30 tokens)
+
+
+@pytest.fixture(scope="session")
+def q21_ckpt(shared_dir) -> Path:
+    from tests.qwen_image_21_checkpoint import write_checkpoint
+    return Path(made_once(shared_dir, "ckpt-q21", lambda out: str(write_checkpoint(out))))
+
+
+def _q21_build(shared_dir: Path, cache_dir: Path, ckpt: Path, name: str, *args) -> Path:
+    return _build(shared_dir, name, "--model", ckpt, "--cache-dir", cache_dir, "--resolution",
+                  "{}x{}".format(*Q21_SIZE), "--text-buckets", Q21_BUCKET, *args)[0]
+
+
+@pytest.fixture(scope="session")
+def q21_bundle(shared_dir, cache_dir, q21_ckpt) -> Path:
+    """2.1 text to image at TP 1: text encoder, denoiser prefill and decode, VAE decoder."""
+    return _q21_build(shared_dir, cache_dir, q21_ckpt, "bundle-q21")
+
+
+@pytest.fixture(scope="session")
+def q21_bundle_tp2(q21_bundle, shared_dir, cache_dir, q21_ckpt) -> Path:
+    """The same at --tp 2: the text encoder and the denoiser sharded; the VAE decoder's graph is the TP 1 one's."""
+    return _q21_build(shared_dir, cache_dir, q21_ckpt, "bundle-q21-tp2", "--tp", 2)
+
+
+@pytest.fixture(scope="session")
+def q21_pipe(q21_ckpt):
+    """diffusers' QwenImage21Pipeline on the session's 2.1 checkpoint (fp32, CPU)."""
+    from tests.qwen_image_21_checkpoint import load_pipeline
+    return load_pipeline(q21_ckpt)
+
+
 # ---- the trained shapes model (issue 20) ---------------------------------------------------------------
 
 SHAPES_RES = (128, 128)

@@ -160,3 +160,21 @@ def one_line_refusal(proc, *needles):
     assert lines[0].startswith("error: ") and all(x.startswith("  fix: ") for x in lines[1:]), proc.stderr
     for needle in needles:
         assert needle in proc.stderr, proc.stderr
+
+
+class DecodePrefix:
+    """A loaded bundle whose decode graph (2.1's `part="decode"`) is handed `prefix(k, v)` in place of the host's
+    resident prefix K/V: a broken variant's prefix (another prompt's, another rank's); everything else is the
+    bundle's."""
+
+    def __init__(self, inner, prefix):
+        self.inner, self.prefix = inner, prefix
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def graph(self, component, *args, part=None, **kw):
+        g = self.inner.graph(component, *args, part=part, **kw)
+        if part != "decode":
+            return g
+        return lambda target, ts, k, v, *rest: g(target, ts, *self.prefix(k, v), *rest)

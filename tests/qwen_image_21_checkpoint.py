@@ -44,15 +44,16 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Odd head counts (3 heads, GQA 3:1 in the text model), two layers each, widths a few tens.
+# Odd head counts at TP 2 (6 heads: 3 a rank; GQA 3:1 in the text model, 6 query / 2 key-value heads), so one
+# checkpoint serves the TP 1 and TP 2 tests; two layers each, widths a few tens (the SwiGLU's 80 and 288 divide by 2).
 TEXT_CONFIG = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=TEXT_HIDDEN, intermediate_size=80, num_hidden_layers=2,
-                   num_attention_heads=3, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
                                     "mrope_interleaved": True})
 VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=TEXT_HIDDEN,
                      patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
                      deepstack_visual_indexes=[0])
-TRANSFORMER_CONFIG = dict(num_layers=2, attention_head_dim=16, num_attention_heads=3, in_channels=Z,
+TRANSFORMER_CONFIG = dict(num_layers=2, attention_head_dim=16, num_attention_heads=6, in_channels=Z,
                           out_channels=Z, context_in_dim=TEXT_HIDDEN, mlp_ratio=3, axes_dims_rope=[4, 6, 6])
 # Five stages (16x), the published temporal flags, small widths (tests/test_qwen_image_21_vae.py's model).
 VAE_CONFIG = dict(base_dim=4, decoder_base_dim=6, z_dim=Z, dim_mult=[1, 2, 4, 8, 8], num_res_blocks=1,

@@ -1,10 +1,11 @@
 """Qwen-Image-2.1 through qic build / qic run, text to image, against diffusers' QwenImage21Pipeline.
 
-One build of a tiny random 2.1 checkpoint in the real layout (tests/qwen_image_21_checkpoint.py: diffusers' and
-transformers' own classes) at 64x64 with one text bucket: four graphs (text encoder, denoiser prefill and
-decode, VAE decoder), inductor CPU, fp32. `qic build --model DIR` picks the family from model_index.json's
-QwenImage21Pipeline; `qic run` runs the family's own host program (prefill on the first step, decode after it,
-the prefix K/V resident per CFG branch) and draws what the pipeline draws on the same checkpoint, seed and steps.
+The session's build (tests/conftest.py q21_bundle) of a tiny random 2.1 checkpoint in the real layout
+(tests/qwen_image_21_checkpoint.py: diffusers' and transformers' own classes) at 64x64 with one text bucket: four
+graphs (text encoder, denoiser prefill and decode, VAE decoder), inductor CPU, fp32. `qic build --model DIR` picks
+the family from model_index.json's QwenImage21Pipeline; `qic run` runs the family's own host program (prefill on the
+first step, decode after it, the prefix K/V resident per CFG branch) and draws what the pipeline draws on the same
+checkpoint, seed and steps.
 """
 
 from __future__ import annotations
@@ -18,35 +19,29 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import ROOT, image_diff, qic
-from tests.helpers import MAX_PIXEL, MEAN_PIXEL, one_line_refusal
+from tests.conftest import Q21_BUCKET, Q21_SIZE, ROOT, image_diff, qic
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL, DecodePrefix, one_line_refusal
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-SIZE, BUCKET, STEPS, SEED = (64, 64), 64, 3, 7
+SIZE, BUCKET, STEPS, SEED = Q21_SIZE, Q21_BUCKET, 3, 7
 PROMPT, NEGATIVE, GUIDANCE = "a red circle on a blue background", "a green square", 4.0
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tests.qwen_image_21_checkpoint import write_checkpoint
-    return write_checkpoint(tmp_path_factory.mktemp("q21") / "ckpt")
+def ckpt(q21_ckpt):
+    return q21_ckpt
 
 
 @pytest.fixture(scope="module")
-def bundle(ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("q21build")
-    out = root / "bundle"
-    qic("build", "--model", ckpt, "--resolution", "{}x{}".format(*SIZE), "--text-buckets", BUCKET,
-        "--cache-dir", root / "cache", "--output", out)
-    return out
+def bundle(q21_bundle):
+    return q21_bundle
 
 
 @pytest.fixture(scope="module")
-def pipe(ckpt):
-    from tests.qwen_image_21_checkpoint import load_pipeline
-    return load_pipeline(ckpt)
+def pipe(q21_pipe):
+    return q21_pipe
 
 
 def _reference(pipe, prompt=PROMPT, negative=NEGATIVE, seed=SEED, use_kv_cache=True):
@@ -121,28 +116,13 @@ def test_a_stale_prefix_breaks_the_bound(bundle, pipe):
     _, k, v = prefill(other.text, latents, torch.ones(1), other.index, other.block_ids, other.key_valid,
                       other.cos, other.sin)
 
-    class Stale:
-        """The bundle, with the decode graph handed the other prompt's prefix K/V."""
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def graph(self, component, *args, part=None, **kw):
-            g = self.inner.graph(component, *args, part=part, **kw)
-            if part != "decode":
-                return g
-            return lambda target, ts, _k, _v, *rest: g(target, ts, k, v, *rest)
-
     good = host.generate(b, host.Request(PROMPT, seed=SEED, steps=STEPS)).image
-    stale = host.generate(Stale(b), host.Request(PROMPT, seed=SEED, steps=STEPS)).image
+    stale = host.generate(DecodePrefix(b, lambda _k, _v: (k, v)), host.Request(PROMPT, seed=SEED, steps=STEPS)).image
     ref = _reference(pipe, negative=None)
     assert _within(good, ref) and not _within(stale, ref)
 
 
-def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, tmp_path):
+def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, cache_dir, tmp_path):
     """A checkpoint with sample_sigmas in model_index.json (Turbo's form) samples on them, as many steps as they
     are, as the pipeline does. The same architecture: the rebuild takes every graph from the compile cache."""
     from qic.models.qwen_image_21.host import Request, generate
@@ -152,7 +132,7 @@ def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, tmp_path):
     turbo = write_checkpoint(tmp_path / "turbo", sample_sigmas=sigmas)
     out = tmp_path / "bundle"
     proc = qic("build", "--model", turbo, "--resolution", "{}x{}".format(*SIZE), "--text-buckets", BUCKET,
-               "--cache-dir", bundle.parent / "cache", "--output", out)
+               "--cache-dir", cache_dir, "--output", out)
     compiled = [line for line in proc.stdout.splitlines() if "compile" in line and "@" in line]
     assert len(compiled) == 4 and not any("built" in line for line in compiled), proc.stdout
     result = generate(Bundle(out), Request(PROMPT, seed=SEED))
@@ -169,7 +149,6 @@ def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, tmp_path):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--tp", "2"], "--tp 2"),
     (["--batch-sizes", "1,2"], "batch sizes"),
     (["--text-buckets", "0"], "exact-length text"),
 ])
