@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from qic import family
 from qic.errors import ConfigError
 from qic.models.common import load_weights
 from qic.models.looped import stack_block_weights
@@ -27,7 +28,6 @@ from qic.models.qwen_image_21.denoiser import (
     QwenImage21Denoiser,
     denoiser_state_dict,
     prefix_attention_bias,
-    rank_state_dict,
     target_attention_bias,
 )
 from qic.models.qwen_image_21.host.sequence import JointSequence, positions, prefix_inputs, rope_tables
@@ -419,7 +419,8 @@ def _rank_tp(rank: int, tp: int, path: str) -> dict:
     the attention output's reduction skipped."""
     blob = torch.load(path)
     m = QwenImage21Denoiser(DenoiserConfig.from_dict(CONFIG_TP), tp).eval()
-    m.load_state_dict(rank_state_dict(blob["weights"], rank, tp), strict=True)
+    family.use("qwen-image-2.1")   # stage 1's slicing by the component's TPPlan (qic.parallel.plans)
+    m.load_state_dict(T.shard_state_dict("denoiser", blob["weights"], rank, tp), strict=True)
     assert T.apply_tp(m) == 2 * CONFIG_TP["num_layers"]
     looped = LoopedQwenImage21Denoiser(m.config, tp).eval()
     looped.load_state_dict(stack_block_weights(m.state_dict(), "transformer_blocks", m.config.num_layers))

@@ -27,7 +27,6 @@ whose `reduce` the TP plan sets; the shared modulation, the embeddings, norm_out
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -363,16 +362,3 @@ def denoiser_state_dict(mapping: Mapping[str, torch.Tensor]) -> dict[str, torch.
     """Checkpoint tensors -> QwenImage21Denoiser state dict: diffusers' names verbatim, no renaming."""
     return dict(mapping)
 
-
-def rank_state_dict(full: Mapping[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s tensors of a TP=1 state dict by TP_PLAN: a contiguous chunk along the split dim (heads
-    for q/k/v and to_out, SwiGLU columns for the MLP), everything else whole. What stage 1 will write once the
-    family seam gives this component a definition (qic.parallel.plans applies a component's TPPlan the same way)."""
-    out = {}
-    for name, t in full.items():
-        dim = next((d for pattern, d in TP_PLAN.rules if re.fullmatch(pattern, name)), None)
-        if dim is not None and t.shape[dim] % tp:
-            raise ConfigError(f"{COMPONENT}: tensor {name} has {t.shape[dim]} along dim {dim}, "
-                              f"not divisible by tp {tp}")
-        out[name] = t if dim is None or tp == 1 else t.chunk(tp, dim=dim)[rank].contiguous()
-    return out
