@@ -197,6 +197,12 @@ def q21_bundle_tp2(q21_bundle, shared_dir, cache_dir, q21_ckpt) -> Path:
 
 
 @pytest.fixture(scope="session")
+def q21_bundle_cfgp(q21_bundle, shared_dir, cache_dir, q21_ckpt) -> Path:
+    """--cfg-parallel at TP 1 (world 2): the same graphs as the TP 1 bundle's (no collective in them), cache hits."""
+    return _q21_build(shared_dir, cache_dir, q21_ckpt, "bundle-q21-cfgp", "--cfg-parallel")
+
+
+@pytest.fixture(scope="session")
 def q21_pipe(q21_ckpt):
     """diffusers' QwenImage21Pipeline on the session's 2.1 checkpoint (fp32, CPU)."""
     from tests.qwen_image_21_checkpoint import load_pipeline

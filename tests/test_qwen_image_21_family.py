@@ -150,6 +150,7 @@ def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, cache_dir, tmp_p
 
 @pytest.mark.parametrize("flags, needle", [
     (["--batch-sizes", "1,2"], "batch sizes"),
+    (["--ulysses", "2"], "--ulysses 2 (exact under the block-causal mask"),
     (["--text-buckets", "0"], "exact-length text"),
 ])
 def test_what_is_not_wired_yet_is_refused_in_one_line(ckpt, tmp_path, flags, needle):

@@ -1,7 +1,7 @@
-"""Qwen-Image-2.1 at TP 2: `qic build --tp 2` shards the text encoder and the denoiser by their own TP plans
-(the denoiser's is diffusers' QwenImage21Transformer2DModel._tp_plan: attention and SwiGLU colwise / rowwise, the
-shared modulation replicated), `qic run` spawns two ranks (gloo, CPU), and the image is the TP 1 bundle's and the
-pipeline's. Each rank's resident prefix K/V holds its half of the heads.
+"""Qwen-Image-2.1 at TP 2 and CFG-parallel. `qic build --tp 2` shards the text encoder and the denoiser by their
+own TP plans (the denoiser's is diffusers' QwenImage21Transformer2DModel._tp_plan: attention and SwiGLU colwise /
+rowwise, the shared modulation replicated), `qic run` spawns two ranks (gloo, CPU), and the image is the TP 1
+bundle's and the pipeline's. Each rank's resident prefix K/V holds its half of the heads.
 
 The session's checkpoint and TP 1 bundle (tests/conftest.py q21_ckpt, q21_bundle) are reused: 6 heads a model
 (3 a rank), so the same checkpoint serves both; only the TP 2 text encoder and denoiser graphs compile here.
@@ -10,6 +10,10 @@ Bounds: TP splits every row-parallel matmul into two partial sums and an all-red
 order, a relative error of a few fp32 ulps, far under one 8-bit level, so a pixel moves by at most one level
 (where a value sits on a rounding boundary) and rarely (mean: tests/helpers.py MEAN_PIXEL). The prefix K/V, through
 the text encoder's and the denoiser's layers, within the fp32 reordering bound of those reductions.
+
+CFG-parallel (`--cfg-parallel`, world 2 at TP 1): each CFG group encodes and denoises its own branch and keeps its
+prefix K/V; the host exchanges the two predictions a step. The same graphs and arithmetic as TP 1 (bit for bit
+here; the TP bound allows for kernels whose blocking follows a rank's thread count).
 """
 
 from __future__ import annotations
@@ -150,3 +154,45 @@ def test_broken_tp_variants_leave_the_bound(ranks, tp1, variant):
     each is outside the bound the real run keeps."""
     mx, mean = _diff(ranks[0][variant], tp1["image"], f"broken {variant} vs TP 1")
     assert mean > MEAN_PIXEL and mx > MAX_PIXEL
+
+
+# --------------------------------------------------------------------------------------------- CFG-parallel
+
+def _cfg_rank(rank: int, world: int, bundle: str) -> dict:
+    """One rank of the CFG-parallel bundle: the image, the prompts its text encoder saw, and a broken exchange
+    (each group taking its own prediction for both branches)."""
+    from qic.models.qwen_image_21 import host
+    from qic.runtime.bundle import Bundle
+    b = Bundle(bundle, rank=rank, world=world)
+    seen = []
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(b, name)
+
+        def graph(self, component, *args, **kw):
+            g = b.graph(component, *args, **kw)
+            if component != "text_encoder":
+                return g
+            return lambda ids, mask: seen.append(ids[0, :int(mask.sum())].tolist()) or g(ids, mask)
+
+    out = {"image": host.generate(Counted(), _request(host)).image, "seen": seen,
+           "ids": [host._ids(b, p) for p in (PROMPT, NEGATIVE)]}
+    real = host.from_each_branch
+    host.from_each_branch = lambda layout, x: [x] * layout.cfg
+    try:
+        out["own_only"] = host.generate(b, _request(host)).image
+    finally:
+        host.from_each_branch = real
+    return out
+
+
+def test_cfg_parallel_groups_run_one_branch_each_and_draw_tp1s_image(q21_bundle_cfgp, tp1):
+    from qic.parallel.tp import spawn
+    ranks = spawn(_cfg_rank, 2, str(q21_bundle_cfgp), timeout=600)
+    for c, r in enumerate(ranks):
+        assert r["seen"] == [r["ids"][c]]     # group c encoded branch c only (0 the prompt, 1 the negative)
+        mx, mean = _diff(r["image"], tp1["image"], f"CFG-parallel group {c} vs TP 1")
+        assert mx <= TP_MAX_PIXEL and mean <= MEAN_PIXEL
+        mx, mean = _diff(r["own_only"], tp1["image"], f"broken: group {c} without the exchange vs TP 1")
+        assert mean > MEAN_PIXEL and mx > MAX_PIXEL

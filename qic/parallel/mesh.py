@@ -181,6 +181,15 @@ def gather_objects(peers: str, obj) -> list:
     return out
 
 
+def from_each_branch(layout: Layout, x):
+    """Host side: the tensor x of each CFG group's first rank (TP 0, Ulysses 0), in CFG order, on every rank (one
+    all_gather on the host's world group; every rank gives a tensor of the same shape and dtype)."""
+    import torch
+    out = [torch.empty_like(x) for _ in range(layout.world)]
+    dist.all_gather(out, x.contiguous(), group=_HOST["world"])
+    return [out[layout.rank_of(0, 0, c)] for c in range(layout.cfg)]
+
+
 def gather_figures(peers: str, figures: list[float]):
     """Host side: every rank's step-cache figures among `peers`, as a [ranks, rows] float64 tensor in rank order
     (equal row counts on every rank: one call a step, so a tensor, not pickled objects)."""

@@ -11,6 +11,12 @@ prefix K/V stay resident, one per branch; on every later step the decode graph o
 (kv_cache=False: the prefill at every step, the pipeline's use_kv_cache=False). The Euler update in fp32 as the
 scheduler's step; the VAE decoder graph; the RGBA image as the pipeline's postprocess returns it.
 
+Parallel layouts (the bundle's, qic.parallel.mesh): under TP every rank runs this same program, its graphs'
+collectives making every rank's outputs whole. Under CFG-parallel, CFG group c encodes and denoises branch c only
+(0 the prompt, 1 the negative prompt) and keeps that branch's prefix K/V; the two predictions of a step are then
+exchanged on the host (mesh.from_each_branch) and every rank takes the same Euler step. A request without CFG runs
+its one branch on both groups (nothing to split; no exchange).
+
 Only host code: this package (the program, and its sampling, sequence and prompt modules) holds no nn.Module and
 no model definition, so a runtime may import all of it (qic.runtime.programs); the family's model modules import
 from it, never the other way.
@@ -38,6 +44,7 @@ from qic.models.qwen_image_21.host.sampling import (
     to_images,
 )
 from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
+from qic.parallel.mesh import from_each_branch
 
 
 @dataclass
@@ -124,7 +131,9 @@ def generate(model, req: Request) -> Result:
     encoder = model.graph("text_encoder", bucket=bucket)
     grid = (h // VAE_SCALE, w // VAE_SCALE)
     axes = model.manifest["denoiser"]["axes_dims_rope"]
-    branches = [_branch(model, encoder, i, bucket, grid, axes) for i in ids]
+    split = cfg and model.layout.cfg > 1          # CFG-parallel: this rank's CFG group runs one branch
+    mine = [ids[model.coords["cfg"]]] if split else ids
+    branches = [_branch(model, encoder, i, bucket, grid, axes) for i in mine]
     timings["encode"] = time.perf_counter() - t
 
     sigmas = base_sigmas(model.manifest.get("sample_sigmas"), req.steps)
@@ -145,6 +154,8 @@ def generate(model, req: Request) -> Result:
             else:
                 (pred,) = decode(latents, ts, *b.kv, b.key_valid, b.cos[n:], b.sin[n:])
             preds.append(pred.float())
+        if split:
+            preds = from_each_branch(model.layout, preds[0])
         pred = preds[1] + req.guidance * (preds[0] - preds[1]) if cfg else preds[0]
         latents = latents.float() + (sched.sigmas[i + 1] - sched.sigmas[i]) * pred
         timings[f"step{i}"] = time.perf_counter() - t
