@@ -35,7 +35,7 @@ _FILES = {
 from qic.family import Family
 
 FAMILY = Family(name="toy-painter", classes=("{CLASS}",), components="toy_family.components",
-                host="toy_family.host")
+                host="toy_family.host", backends=("inductor",))
 ''',
     # The eager module: one per-pixel linear map of noise channels to RGB, squashed to [-1, 1].
     "model.py": '''
@@ -194,6 +194,17 @@ print("MODULES", " ".join(sorted(m for m in sys.modules if m.startswith("toy_fam
 
     # The bundle is the toy's: qic serve, whose endpoints are text-to-image requests, refuses it in one line.
     one_line_refusal(qic("serve", out, check=False, env=env), "host program is toy_family.host", "qic run")
+
+
+def test_a_back_end_the_family_does_not_list_is_refused_before_any_work(tmp_path):
+    """The family record's `backends` (qic.family.Family; the toy lists inductor only): a neuron build is one line
+    from the build's own check of the spec, before anything is sharded or lowered."""
+    env = {"PYTHONPATH": os.pathsep.join([str(_stand_in_family(tmp_path / "site")), str(ROOT)])}
+    ckpt, _ = _checkpoint(tmp_path / "ckpt")
+    proc = qic("build", "--model", ckpt, "--resolution", "{}x{}".format(*SIZE), "--backend", "neuron",
+               "--cache-dir", tmp_path / "cache", "--output", tmp_path / "out", check=False, env=env)
+    one_line_refusal(proc, "toy-painter family", "inductor back end, not neuron", "--backend inductor")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
 def test_an_unknown_pipeline_class_is_refused_in_one_line_naming_file_class_and_known(tmp_path):

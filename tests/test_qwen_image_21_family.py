@@ -158,12 +158,3 @@ def test_what_is_not_wired_yet_is_refused_in_one_line(ckpt, tmp_path, flags, nee
                "--output", tmp_path / "out", check=False)
     one_line_refusal(proc, "Qwen-Image-2.1", needle, "not yet")
     assert not (tmp_path / "out").exists()
-
-
-def test_a_back_end_the_family_does_not_list_is_refused_before_any_work(ckpt, tmp_path):
-    """The family record's `backends` (qic.family.Family): the neuron lowering of 2.1's graphs is not checked yet,
-    so a neuron build is one line from the build's own check, before anything is sharded or lowered."""
-    proc = qic("build", "--model", ckpt, "--resolution", "64x64", "--backend", "neuron", "--cache-dir",
-               tmp_path / "cache", "--output", tmp_path / "out", check=False)
-    one_line_refusal(proc, "qwen-image-2.1 family", "inductor back end, not neuron", "--backend inductor")
-    assert not (tmp_path / "out").exists()

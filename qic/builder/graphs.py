@@ -4,6 +4,7 @@ qic/models/qwen_image/graphs.py); nothing here knows a component or a family."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,10 @@ class GraphDef:
     shape: dict = field(default_factory=dict)  # what the runtime selects on: resolution, bucket
     # A parallel layout's collective groups: name -> replica groups over the world (None: plain TP's world group)
     groups: dict | None = None
+    # () -> [(input name, tensor)] in `inputs`' order: values a back end's check of the compiled graph feeds it,
+    # for a graph whose inputs must be consistent with each other (positions, masks, RoPE tables) to mean
+    # anything; None: the check draws them from the example inputs (qic.backends.neuron.build.check_inputs).
+    sample: Callable[[], list[tuple[str, torch.Tensor]]] | None = None
 
 
 def make_graph(component: str, module, configs: dict, shape: dict, dtype: str, layout: Layout = PLAIN):

@@ -148,10 +148,17 @@ def unstack_block_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
 # ---------------------------------------------------------------------------------------------- loop
 
 # A back end whose tensors cannot run torch's scan operator (XLA lazy tensors have no as_strided, which
-# the operator's slicing needs) supplies its own device-side loop here; the layer arithmetic stays this
-# module's. Signature: loop(layer, carry, xs, invariants) -> final carry list, where
-# layer(carry, weights, invariants) -> (next carry list, per-layer 0-dim output).
+# the operator's slicing needs) supplies its own device-side loop here; the layer arithmetic stays the
+# model's. Signature: loop(layer, carry, xs, invariants) -> (final carry list, per-layer output stacks), where
+# layer(carry, xs slices, invariants) -> (next carry list, per-layer output list): each per-layer output
+# comes back stacked [L, ...] in layer order (what a prefill's per-layer K/V are); an empty list, none.
 _LOOP = contextvars.ContextVar("qic_layer_loop", default=None)
+
+
+def custom_loop() -> Callable | None:
+    """The loop layer_loop installed, or None (torch's scan then). Never under dynamo, which cannot trace a
+    ContextVar."""
+    return None if torch.compiler.is_dynamo_compiling() else _LOOP.get()
 
 
 @contextlib.contextmanager
@@ -245,9 +252,9 @@ class StackedLayers(nn.Module):
             # ("<built-in function getitem> is not an OpOverload"); it costs an [L] tensor.
             return out, out[0].new_zeros(())
 
-        custom = None if torch.compiler.is_dynamo_compiling() else _LOOP.get()   # dynamo cannot trace a ContextVar
-        if custom is not None:
-            final = custom(layer, list(carry), list(xs.values()), invariants)
+        custom = custom_loop()
+        if custom is not None:   # no per-layer outputs: a custom loop needs no dummy one
+            final, _ = custom(lambda c, w, e: (layer(c, w, e)[0], []), list(carry), list(xs.values()), invariants)
         elif torch.compiler.is_dynamo_compiling():
             # Under dynamo (torch.compile, strict export) only the public wrapper is captured; it lifts
             # the closed-over invariants into additional_inputs itself.

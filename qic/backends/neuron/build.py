@@ -131,7 +131,7 @@ class NeuronBackend(Backend):
             checks["xla_cpu_check"] = (f"not run: {ranks}-rank {'/'.join(narrow)} graph (XLA:CPU has no "
                                        f"{'/'.join(narrow)} collectives)")
         else:
-            result = self.check(lowered, gdef.module, gdef.inputs, tensors, groups, ranks)
+            result = self.check(lowered, gdef.module, gdef.inputs, tensors, groups, ranks, sample=gdef.sample)
             if not result.pop("ok"):
                 raise CompileError(f"graph {gdef.name}: lowered HLO on XLA:CPU differs from eager PyTorch "
                                    f"beyond its bound ({result['bound']}; rel-L2 "
@@ -202,11 +202,12 @@ class NeuronBackend(Backend):
         return CompiledGraph(file=HLO_FILE, extra_files=[PARAMS_FILE])
 
     def check(self, lowered, module: torch.nn.Module, inputs: list, tensors: dict, groups: dict | None = None,
-              ranks: int = 1) -> dict:
+              ranks: int = 1, sample=None) -> dict:
         """The HLO executed on XLA:CPU against the eager module, on inputs drawn so every input matters
-        (random activations, random token ids, a partly padded mask). With ranks > 1, rank r's HLO runs on
-        XLA:CPU device r with rank r's weights and mesh coordinates, all ranks at once so the collectives
-        really combine them, against eager PyTorch at the same ranks (qic.backends.neuron.ranks); every
+        (random activations, random token ids, a partly padded mask), or the graph's own `sample()` where its
+        definition gives one (GraphDef.sample: inputs that must agree with each other). With ranks > 1, rank
+        r's HLO runs on XLA:CPU device r with rank r's weights and mesh coordinates, all ranks at once so the
+        collectives really combine them, against eager PyTorch at the same ranks (qic.backends.neuron.ranks); every
         figure is the worst over the ranks and outputs. {"xla_cpu_rel_l2", "xla_cpu_max_abs", "ok", "bound",
         "xla_cpu_ranks"}.
 
@@ -215,7 +216,10 @@ class NeuronBackend(Backend):
         (both are one sample of the same low-precision rounding noise) plus the fp32 allowance. max-abs is
         recorded, not bounded: its scale is the output's (latents, hidden states, pixels), rel-L2's is not.
         """
-        sample = check_inputs(inputs, tensors)
+        sample = sample() if sample is not None else check_inputs(inputs, tensors)
+        if [n for n, _ in sample] != [n for n, _ in inputs]:
+            raise CompileError(f"the check's sample names {[n for n, _ in sample]}, the graph takes "
+                               f"{[n for n, _ in inputs]}", "report this as a qic bug")
         per_rank = [(rank_weights(tensors, r), rank_sample(sample, groups, r)) for r in range(ranks)]
         got = _execute(lowered, per_rank)
         want = _eager(module, per_rank, groups)

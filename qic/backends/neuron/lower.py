@@ -128,8 +128,10 @@ def execute(proto: bytes, params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 # --------------------------------------------------------------------------------------------- loops
 
-def while_loop(layer, carry: list[torch.Tensor], xs: list[torch.Tensor], invariants) -> list[torch.Tensor]:
-    """qic.models.looped's loop contract as one XLA While over the stacked weights."""
+def while_loop(layer, carry: list[torch.Tensor], xs: list[torch.Tensor], invariants
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """qic.models.looped's loop contract as one XLA While over the stacked weights (and whatever else is
+    sliced per layer: a decode's cached K/V); per-layer outputs are the While's dynamic-update-sliced stacks."""
     slots = [i for i, a in enumerate(invariants) if isinstance(a, torch.Tensor)]
     # A bool carry comes back from the loop's placeholders as int64 (SDPA then refuses the mask): carry
     # bools as uint8 and restore the dtype inside the body.
@@ -142,12 +144,12 @@ def while_loop(layer, carry: list[torch.Tensor], xs: list[torch.Tensor], invaria
         for i, t, d in zip(slots, fixed, dtypes):
             extra[i] = t.to(d)
         _fresh_token()
-        out, _ = layer(current, weights, extra)
+        out, ys = layer(current, weights, extra)
         _fresh_token()
-        return (list(out), list(fixed)), ()
+        return (list(out), list(fixed)), tuple(ys)   # () when none: the HLO of a loop without outputs
 
-    (final, _), _ = _scan_impl_pytree(body, (list(carry), fixed0), list(xs))
-    return list(final)
+    (final, _), stacks = _scan_impl_pytree(body, (list(carry), fixed0), list(xs))
+    return list(final), list(stacks)
 
 
 def _fresh_token() -> None:

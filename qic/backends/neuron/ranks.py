@@ -85,12 +85,16 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def host_loop(layer, carry: list[torch.Tensor], xs: list[torch.Tensor], invariants) -> list[torch.Tensor]:
+def host_loop(layer, carry: list[torch.Tensor], xs: list[torch.Tensor], invariants
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """qic.models.looped's loop contract as a Python loop: torch's scan operator runs its body outside a
-    dispatch mode, where the collectives would reach the build's fake process group."""
+    dispatch mode, where the collectives would reach the build's fake process group. Per-layer outputs
+    stacked in layer order."""
+    per_layer = []
     for i in range(xs[0].shape[0]):
-        carry, _ = layer(carry, [x[i] for x in xs], invariants)
-    return list(carry)
+        carry, ys = layer(carry, [x[i] for x in xs], invariants)
+        per_layer.append(ys)
+    return list(carry), [torch.stack(y) for y in zip(*per_layer)]
 
 
 def run_ranks(module: torch.nn.Module, per_rank: list[tuple[dict, list]], groups: dict[str, list[list[int]]]

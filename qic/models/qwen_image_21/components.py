@@ -7,7 +7,7 @@ The modules load diffusers' / transformers' tensor names strict, so the converte
 text encoder's language model, the VAE's decoder half). The TP tables are the modules' own TP_PLANs (the
 denoiser's is diffusers' _tp_plan), applied at shard time: `--tp N` for any N dividing the heads and widths
 (tests/test_qwen_image_21_tp.py). What is not wired yet is refused in validate() in one line each (Ulysses,
-batches, step caching, exact-length text, condition images; the neuron back end by the family record).
+batches, step caching, exact-length text, condition images).
 """
 
 from __future__ import annotations
@@ -74,23 +74,23 @@ def _vae_module(config, tp_size: int = 1, looped: bool = False):
     return QwenImage21VAEDecoder(config, 2 * config.scale_factor, 2 * config.scale_factor)
 
 
-# neuronx-cc model types are not given: validate refuses the neuron back end for this family.
 COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component("text_encoder", "text_encoder", TextEncoder21Config.from_dict, _text_encoder_module,
               text_encoder_state_dict, (f"{_HERE}.text_encoder", *_SHARED), _text_encoder_shapes,
               _text_encoder_graph, config_deps=("text_encoder",), tp_plan=TEXT_ENCODER_TP,
-              blocks="model.language_model.layers"),
+              blocks="model.language_model.layers", neuron_model_type="transformer"),
     Component("denoiser", "transformer", DenoiserConfig.from_dict, _denoiser_module, denoiser_state_dict,
               (f"{_HERE}.denoiser", f"{_HERE}.looped", *_SHARED), _denoiser_shapes, _denoiser_graph,
-              config_deps=("transformer",), tp_plan=DENOISER_TP, blocks="transformer_blocks"),
+              config_deps=("transformer",), tp_plan=DENOISER_TP, blocks="transformer_blocks",
+              neuron_model_type="transformer"),
     Component("vae_decoder", "vae", VAE21Config.from_dict, _vae_module, vae21_decoder_state_dict,
               (f"{_HERE}.vae", "qic.models.common"), _vae_decoder_shapes, _vae_decoder_graph,
-              config_deps=("vae",), fixed_dtype="float32"),
+              config_deps=("vae",), fixed_dtype="float32", neuron_model_type="unet-inference"),
 )}
 
 
 def _refuse(what: str, fix: str) -> None:
-    raise ConfigError(f"{FAMILY}: {what}: not yet (text-to-image, TP and CFG-parallel, inductor only)", fix)
+    raise ConfigError(f"{FAMILY}: {what}: not yet (text-to-image, TP and CFG-parallel)", fix)
 
 
 def drop_tokens(tokenizer) -> int:

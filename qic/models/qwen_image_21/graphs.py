@@ -83,7 +83,39 @@ def denoiser_graph(model, config, height: int, width: int, bucket: int, part: st
     else:
         raise ValueError(f"unknown denoiser graph {part!r}")
     return GraphDef(graph_name("denoiser", (height, width), bucket, part=part), "denoiser", module, inputs, outputs,
-                    shape={"resolution": [height, width], "bucket": bucket, "part": part}, weight_prefix="model.")
+                    shape={"resolution": [height, width], "bucket": bucket, "part": part}, weight_prefix="model.",
+                    sample=lambda: denoiser_sample(config, inputs, (height // VAE_SCALE, width // VAE_SCALE), bucket))
+
+
+# The check's timestep (t / 1000, as the pipeline passes it). Not 0, so the prefix (modulated at t = 0) and the
+# target are modulated differently and a graph that modulated the prefix at t fails the check. Small, because the
+# time embedding's angles are a_k = 1000 t f_k with f_k = exp(-ln(1e4) k / 128), k < 128, and XLA's fp32 exp
+# and eager's may each be an ulp off (with the product's rounding, |da_k| <= 2 * 2^-23 * a_k); cos and sin pass
+# that on absolutely. Over the 256-wide [cos | sin] vector (norm sqrt(128)) that is a relative error of at most
+# 2^-22 * 1000 t * sqrt(sum_k f_k^2) / sqrt(128) = 5.8e-5 t (sum_k f_k^2 = 7.5, a geometric series), which the
+# modulation passes on to the prediction at order one (random, well-conditioned projections). At t = 0.05 that
+# is 2.9e-6, inside the check's fp32 bound (qic.backends.neuron.build.XLA_CPU_REL_L2, for the reductions'
+# reassociation); at t = 1 it could reach 5.8e-5 and the bound would measure exp's ulps, not the lowering
+# (tests/test_neuron_xla_q21.py checks the figures against 1e-5 + 5.8e-5 t at t = 0.05, 0.5 and 1).
+CHECK_TIMESTEP = 0.05
+
+
+def denoiser_sample(config, inputs: list, grid: tuple[int, int], bucket: int) -> list:
+    """The XLA:CPU check's inputs for a prefill or decode graph (GraphDef.sample), seeded: random text rows,
+    latents and prefix K/V, and the sequence tensors a real request of a prompt 3/4 of the bucket long gets
+    (qic.models.qwen_image_21.host.sequence): gather indices in range, the padded tail's keys masked, RoPE
+    tables of those positions. Random indices or masks would read out of range or leave no key to attend to."""
+    from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
+    gen = torch.Generator().manual_seed(0)
+    seq = JointSequence(((TEXT, max(1, 3 * bucket // 4)),), grid)
+    index, block_ids, key_valid = prefix_inputs(seq, bucket, bucket)
+    cos, sin = rope_tables(config.axes_dims_rope, seq, bucket)
+    decode = "k" in dict(inputs)
+    fixed = {"timestep": torch.full((1,), CHECK_TIMESTEP), "index": index, "block_ids": block_ids,
+             "key_valid": key_valid.long(), "rope_cos": cos[bucket:] if decode else cos,
+             "rope_sin": sin[bucket:] if decode else sin}
+    return [(name, fixed[name] if name in fixed else torch.randn(t.shape, generator=gen).to(t.dtype))
+            for name, t in inputs]
 
 
 def vae_decoder_graph(weights_module, height: int, width: int) -> GraphDef:

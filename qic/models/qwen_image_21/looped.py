@@ -8,15 +8,15 @@ The scans are this model's own, because they carry what Qwen-Image's do not:
 - prefill: carry (prefix, target), per-layer outputs the prefix's (k, v), which scan stacks into exactly the
   [L, B, heads, P, head_dim] graph outputs (no list and torch.stack);
 - decode: carry (target,), sliced per layer along with the weights the prefill's k and v [L, ...]: each
-  iteration reads its layer's prefix K/V as it reads its layer's weights, and emits a 0-dim zero (AOTInductor
-  fails on a scan without an output; see qic.models.looped).
+  iteration reads its layer's prefix K/V as it reads its layer's weights; torch's scan emits a 0-dim zero per
+  layer (AOTInductor fails on a scan without an output; see qic.models.looped).
 The layer bodies are the unrolled model's (denoiser.prefill_layer / decode_layer), called on the template
 through torch.func.functional_call, so the arithmetic exists once. Eager and non-strict torch.export call the
 scan operator directly, dynamo (torch.compile, strict export) the public wrapper. The test is
 torch.compiler.is_dynamo_compiling(): torch 2.13's is_compiling() is also true under non-strict export, where
 the wrapper's dynamo pass over the body made the looped prefill's export take 42 s instead of 6 s here.
-A back end's custom loop (qic.models.looped.layer_loop, for XLA) is not wired here yet: it has no per-layer
-outputs, which the prefill needs.
+A back end's own loop (qic.models.looped.layer_loop: the neuron lowering's XLA While) runs both when installed;
+its contract stacks per-layer outputs, which the prefill's K/V are.
 """
 
 from __future__ import annotations
@@ -26,21 +26,33 @@ import dataclasses
 import torch
 from torch._higher_order_ops.scan import scan, scan_op
 
-from qic.models.looped import StackedLayers
+from qic.models.looped import StackedLayers, custom_loop
 from qic.models.qwen_image_21.denoiser import DenoiserConfig, QwenImage21Denoiser, decode_layer, prefill_layer
 
 
-def _run(body, carry: list, xs: list, invariants: tuple) -> list:
-    """scan(body(carry, xs slices, invariants) -> [*next carry, *per-layer outputs]): [*final carry, *stacks]."""
+def _run(body, carry: list, xs: list, invariants: tuple) -> tuple[list, list]:
+    """body(carry, xs slices, invariants) -> (next carry, per-layer outputs) over the layers: (final carry, the
+    per-layer outputs stacked [L, ...]). A back end's own loop when one is installed (qic.models.looped.layer_loop:
+    XLA's While), else torch's scan, which gets a 0-dim per-layer output where the body has none (AOTInductor
+    fails on a scan without one)."""
+    custom = custom_loop()
+    if custom is not None:
+        return custom(body, list(carry), list(xs), invariants)
     n_carry, n_xs = len(carry), len(xs)
+
+    def flat_body(c, x, inv):
+        out, ys = body(c, x, inv)
+        return [*out, *(ys or [out[0].new_zeros(())])]
+
     if torch.compiler.is_dynamo_compiling():
         def combine(c, x):
-            out = body(c, x, invariants)
+            out = flat_body(c, x, invariants)
             return out[:n_carry], out[n_carry:]
         final, ys = scan(combine, carry, xs)
-        return [*final, *ys]
-    return list(scan_op(lambda *flat: body(flat[:n_carry], flat[n_carry:n_carry + n_xs], flat[n_carry + n_xs:]),
-                        carry, xs, tuple(invariants)))
+        return list(final), list(ys)
+    out = list(scan_op(lambda *flat: flat_body(flat[:n_carry], flat[n_carry:n_carry + n_xs], flat[n_carry + n_xs:]),
+                       carry, xs, tuple(invariants)))
+    return out[:n_carry], out[n_carry:]
 
 
 class _Layer(torch.nn.Module):
@@ -75,9 +87,10 @@ class LoopedQwenImage21Denoiser(QwenImage21Denoiser):
         names, weights = self._weights()
 
         def body(carry, xs, inv):
-            return list(torch.func.functional_call(self._layers[0], dict(zip(names, xs)), (*carry, *inv)))
+            prefix, x, k, v = torch.func.functional_call(self._layers[0], dict(zip(names, xs)), (*carry, *inv))
+            return [prefix, x], [k, v]
 
-        _, x, k, v = _run(body, [prefix, x], weights, invariants)
+        (_, x), (k, v) = _run(body, [prefix, x], weights, invariants)
         return x, k, v
 
     def decode_blocks(self, x, k, v, invariants):
@@ -85,7 +98,6 @@ class LoopedQwenImage21Denoiser(QwenImage21Denoiser):
 
         def body(carry, xs, inv):
             w, (k, v) = xs[:len(names)], xs[len(names):]
-            x = torch.func.functional_call(self._layers[1], dict(zip(names, w)), (carry[0], k, v, *inv))
-            return [x, x.new_zeros(())]
+            return [torch.func.functional_call(self._layers[1], dict(zip(names, w)), (carry[0], k, v, *inv))], []
 
-        return _run(body, [x], [*weights, k, v], invariants)[0]
+        return _run(body, [x], [*weights, k, v], invariants)[0][0]

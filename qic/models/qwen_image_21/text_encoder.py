@@ -430,7 +430,7 @@ class QwenImage21TextEncoder(nn.Module):
         for layer in layers[deep:]:
             x = layer(x, cos, sin, mask_bias)
         x = x[:, self.drop_tokens:]
-        return torch.where((attention_mask[:, self.drop_tokens:] != 0)[..., None], x, torch.zeros((), dtype=x.dtype))
+        return torch.where((attention_mask[:, self.drop_tokens:] != 0)[..., None], x, x.new_zeros(()))
 
 
 LAYER_PREFIX = "model.language_model.layers"
