@@ -3,8 +3,9 @@
 `qic build --backend neuron` of the session's tiny 2.1 checkpoint (tests/qwen_image_21_checkpoint.py) lowers its
 four graphs (text encoder, denoiser prefill and decode, VAE decoder; the text encoder and denoiser looped over
 stacked block weights, one XLA While each) and checks each on XLA:CPU against eager; without neuronx-cc the bundle
-is lower-only, and `qic run --device xla-cpu` on it draws diffusers' QwenImage21Pipeline's image. The check's bound
-can fail: full attention in place of the block-causal bias, the prefix modulated at t, another prompt's K/V.
+is lower-only, and `qic run --device xla-cpu` on it draws diffusers' QwenImage21Pipeline's image; at --tp 2 the
+same, every graph with collectives checked at both ranks on two XLA:CPU devices. The check's bound can fail: full
+attention in place of the block-causal bias, the prefix modulated at t, another prompt's K/V.
 """
 
 from __future__ import annotations
@@ -29,15 +30,45 @@ PROMPT, NEGATIVE, GUIDANCE, STEPS, SEED = "a red circle on a blue background", "
 TIME_EMBEDDING_REL_PER_T = 5.8e-5
 
 
-def _build(ckpt, root, out: str, env=None):
+def _build(ckpt, root, out: str, *args, env=None):
     return xla_qic("build", "--backend", "neuron", "--model", ckpt, "--resolution", "{}x{}".format(*SIZE),
-                   "--text-buckets", BUCKET, "--cache-dir", root / "cache", "--output", root / out, env=env)
+                   "--text-buckets", BUCKET, "--cache-dir", root / "cache", "--output", root / out, *args, env=env)
 
 
 @pytest.fixture(scope="module")
 def q21_neuron(q21_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("q21neuron")
     return root / "bundle", _build(q21_ckpt, root, "bundle")
+
+
+@pytest.fixture(scope="module")
+def q21_neuron_tp2(q21_neuron, q21_ckpt):
+    """The same at --tp 2 in the same cache (the VAE decoder's graph, TP 1 at any layout, a hit)."""
+    root = q21_neuron[0].parent
+    return root / "bundle-tp2", _build(q21_ckpt, root, "bundle-tp2", "--tp", 2)
+
+
+def _warning(proc) -> str:
+    warnings = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "lower-only" in warnings[0], proc.stdout
+    return warnings[0]
+
+
+def _draws_like_the_pipeline(bundle, pipe, out):
+    """`qic run --device xla-cpu` with true CFG and the KV cache against QwenImage21Pipeline: fp32 on both
+    sides, so within 2/255 (mean 0.02 of a level), as the inductor bundle is (test_qwen_image_21_family.py);
+    the pipeline at another seed is far outside it."""
+    xla_qic("run", bundle, "--device", "xla-cpu", "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+            "--guidance", GUIDANCE, "--steps", STEPS, "--seed", SEED, "--output", out)
+
+    def reference(seed):
+        return pipe(PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE, height=SIZE[0], width=SIZE[1],
+                    num_inference_steps=STEPS, generator=torch.Generator().manual_seed(seed)).images[0]
+
+    worst, mean = image_diff(Image.open(out), reference(SEED))
+    print(f"xla-cpu vs pipeline: max {worst:.0f}/255, mean {mean:.5f} levels")
+    assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
+    assert image_diff(Image.open(out), reference(SEED + 1))[0] > 20
 
 
 def test_build_lowers_every_21_graph_and_checks_it_on_xla_cpu(q21_neuron):
@@ -56,28 +87,37 @@ def test_build_lowers_every_21_graph_and_checks_it_on_xla_cpu(q21_neuron):
         assert g["neff"] is None
         loops = hlo_proto.opcodes((bundle / g["hlo"]).read_bytes()).get("while", 0)
         assert loops == (0 if g["component"] == "vae_decoder" else 1), g["name"]   # looped over stacked blocks
-    warnings = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "lower-only" in warnings[0], proc.stdout
-    assert "4 of 4 graphs executed on XLA:CPU and matched eager PyTorch" in warnings[0], warnings[0]
+    assert "4 of 4 graphs executed on XLA:CPU and matched eager PyTorch" in _warning(proc)
 
 
 def test_lower_only_21_bundle_runs_on_xla_cpu_like_the_pipeline(q21_neuron, q21_pipe, tmp_path):
-    """True CFG with the KV cache: the prefill on the first step and decodes after it, each branch's prefix K/V
-    handed from one HLO to the next. fp32 on both sides, so within 2/255 (mean 0.02 of a level), as the inductor
-    bundle is (test_qwen_image_21_family.py); the pipeline at another seed is far outside it."""
-    bundle, _ = q21_neuron
-    out = tmp_path / "xla.png"
-    xla_qic("run", bundle, "--device", "xla-cpu", "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
-            "--guidance", GUIDANCE, "--steps", STEPS, "--seed", SEED, "--output", out)
+    """The prefill on the first step and decodes after it, each branch's prefix K/V handed from one HLO to the
+    next."""
+    _draws_like_the_pipeline(q21_neuron[0], q21_pipe, tmp_path / "xla.png")
 
-    def reference(seed):
-        return q21_pipe(PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE, height=SIZE[0], width=SIZE[1],
-                        num_inference_steps=STEPS, generator=torch.Generator().manual_seed(seed)).images[0]
 
-    worst, mean = image_diff(Image.open(out), reference(SEED))
-    print(f"xla-cpu vs pipeline: max {worst:.0f}/255, mean {mean:.5f} levels")
-    assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
-    assert image_diff(Image.open(out), reference(SEED + 1))[0] > 20
+def test_21_tp2_build_checks_every_rank_and_runs_on_xla_cpu_like_the_pipeline(q21_neuron_tp2, q21_pipe, tmp_path):
+    """TP 2 as Qwen-Image's TP neuron bundles (tests/test_neuron_xla.py): the text encoder and both denoiser
+    graphs carry explicit all-reduces over the world group (the denoiser's all inside its While body: one
+    attention and one SwiGLU reduction a block per stream), are checked at both ranks on two XLA:CPU devices
+    against eager at two ranks, and the bundle's two rank processes draw the pipeline's image."""
+    from qic.backends.neuron import hlo_proto
+    bundle, proc = q21_neuron_tp2
+    m = json.loads((bundle / "manifest.json").read_text())
+    for g in m["graphs"]:
+        c = g["checks"]
+        print(g["name"], c)
+        assert c["xla_cpu_ranks"] == (1 if g["component"] == "vae_decoder" else 2), g["name"]
+        assert 0 <= c["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2, g["name"]
+        proto = (bundle / g["hlo"]).read_bytes()
+        groups = hlo_proto.replica_groups(proto)
+        assert groups == [[[0, 1]]] * len(groups) and (len(groups) > 0) == (g["component"] != "vae_decoder")
+        if g["component"] == "denoiser":   # every reduction in the loop body, none unrolled beside it
+            assert hlo_proto.opcodes(proto, entry_only=True)["all-reduce"] == 0, g["name"]
+    warning = _warning(proc)
+    assert ("4 of 4 graphs executed on XLA:CPU and matched eager PyTorch (1 on one XLA:CPU device, 3 at 2 ranks "
+            "on 2 XLA:CPU devices)") in warning and "not checked" not in warning, warning
+    _draws_like_the_pipeline(bundle, q21_pipe, tmp_path / "xla-tp2.png")
 
 
 def test_21_check_bound_can_fail_and_holds_at_every_t():

@@ -220,9 +220,9 @@ def instructions(proto: bytes, entry_only: bool = False) -> Iterator[list[Field]
                     yield list(fields(v))
 
 
-def opcodes(proto: bytes) -> Counter:
-    """How many instructions of each opcode, over every computation (loop bodies included)."""
-    return Counter(_get(i, 2, b"").decode() for i in instructions(proto))
+def opcodes(proto: bytes, entry_only: bool = False) -> Counter:
+    """How many instructions of each opcode, over every computation (loop bodies included) or the entry's only."""
+    return Counter(_get(i, 2, b"").decode() for i in instructions(proto, entry_only))
 
 
 def replica_groups(proto: bytes, opcode: str = "all-reduce") -> list[list[list[int]]]:
