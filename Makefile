@@ -8,7 +8,7 @@ PROMPT ?= a yellow circle on a blue background
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla-env workflow-lint run test bench warm clean
+.PHONY: install xla-env workflow-lint run check test bench warm clean
 
 install: $(STAMP)
 
@@ -44,12 +44,19 @@ run: install
 	$(BIN)/qic build
 	$(BIN)/qic run artifacts/shapes --prompt "$(PROMPT)" --output artifacts/shapes.png
 
-# Two workers, each test file on one (its module fixtures built once): compiles, diffusers' eager runs and
-# process starts overlap on two cores; the workers share the compile cache and the session's checkpoints
-# and bundles, each made once (tests/conftest.py shared_dir, made_once).
+# The fast tier, before each commit: lint and every test not marked slow (none compiles a graph, starts a server
+# or spawns a rank; tests/tiers.py fails one that does). Under 3 minutes on two cores.
+check: install
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+
+# Both tiers. Two workers, each test file on one (its module fixtures built once): compiles, diffusers' eager runs
+# and process starts overlap on two cores; the workers share the compile cache and the session's checkpoints and
+# bundles, each made once (tests/conftest.py shared_dir, made_once). The last lines say what the run cost
+# (tests/tiers.py): wall time, the ten slowest files, graphs compiled.
 test: install xla-env workflow-lint
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20   # the slowest 20, for whoever trims next
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # Fill the compile cache from a warm matrix: `make warm MATRIX=configs/warm/qwen-image.yaml SHARD=1/4`.
 MATRIX ?= configs/warm/tiny.yaml

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+pytest_plugins = ["tests.tiers", "pytester"]   # the fast and slow tiers, what a run cost; pytester tests the tiers
+
 ROOT = Path(__file__).resolve().parent.parent
 QIC = [sys.executable, "-m", "qic.cli"]
 FAULTY_QIC = [sys.executable, str(Path(__file__).parent / "fakes" / "faulty_qic.py")]   # a FAKE qic: faults in

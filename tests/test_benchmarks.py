@@ -26,6 +26,8 @@ import pytest
 
 from tests.conftest import ROOT, xdist_worker
 
+pytestmark = pytest.mark.slow   # each smoke runs a benchmark: builds, compiles, serves
+
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 # These take --dir and --cache-dir.
 BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache", "noop_build")

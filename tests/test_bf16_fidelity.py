@@ -42,6 +42,7 @@ def halved_ckpt(tiny_ckpt, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_bf16_bundle_is_no_worse_than_diffusers_bf16(halved_ckpt, tmp_path, cache_dir):
     config = tmp_path / "bf16.yaml"
     config.write_text(json.dumps({"model": str(halved_ckpt), "dtype": {"text_encoder": "bfloat16",

@@ -137,6 +137,7 @@ def _kill_when(proc: subprocess.Popen, condition, timeout=120):
     raise AssertionError("interruption point never reached")
 
 
+@pytest.mark.slow
 def test_sigkill_while_sharding_then_rerun(tmp_path, tiny_ckpt):
     cache, out = tmp_path / "cache", tmp_path / "bundle"
     args = ("--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,")
@@ -154,6 +155,7 @@ def test_sigkill_while_sharding_then_rerun(tmp_path, tiny_ckpt):
     assert not list((cache / "shards").glob(".tmp-*"))  # the killed writer's leftovers were swept
 
 
+@pytest.mark.slow
 def test_sigkill_while_compiling_then_rerun(tmp_path, tiny_ckpt):
     cache, out = tmp_path / "cache", tmp_path / "bundle"
     args = ("--resolution", "16x16", "--components", "vae_decoder")
@@ -215,6 +217,7 @@ def test_sigkill_while_writing_the_bundle_then_rerun(bundle, tmp_path, tiny_ckpt
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # the replaced bundle was swept
 
 
+@pytest.mark.slow
 def test_two_concurrent_builds_share_a_cache(tmp_path, tiny_ckpt):
     cache = tmp_path / "cache"
     args = ("--resolution", "32x16", "--components", "vae_decoder")
@@ -362,6 +365,7 @@ def test_neuron_backend_without_torch_xla_is_a_clear_error(tmp_path, tiny_ckpt):
 
 # ---- issue 19's finding 15: concurrent builds to one output ----------------------------------------------
 
+@pytest.mark.slow
 def test_concurrent_builds_to_one_output_take_turns(tmp_path, tiny_ckpt, cache_dir, monkeypatch):
     """Both builds are held at the up-to-date check until both are there (or 3 s pass): unserialised, both
     would find the output missing and both swap (one failing, or writing twice); serialised, the second

@@ -16,6 +16,7 @@ from tests.conftest import ROOT, qic
 
 # ---- issue 19's finding 3: the tokenizer keys the bundle -------------------------------------------------
 
+@pytest.mark.slow
 def test_editing_the_tokenizer_and_rebuilding_gives_the_new_tokenizer(tmp_path, tiny_ckpt, cache_dir):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, ckpt, copy_function=os.link)   # weights hard-linked: same shard keys

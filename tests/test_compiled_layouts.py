@@ -30,6 +30,8 @@ from tests.test_serve import ServeProcess, png_of, request
 from tests.test_step_cache import STEPS as CACHE_STEPS
 from tests.test_step_cache import _computed, _qic_run
 
+pytestmark = pytest.mark.slow   # compiles every layout's bundle and runs it on ranks
+
 PROMPT, STEPS, SEED = "a small red cube", 4, 5
 
 INSPECT = {   # qic inspect's layout line: the mesh (docs/parallelism.md) written out by hand

@@ -160,6 +160,7 @@ def v3_graph(tmp_path_factory):
                            new_maps=_wrappers_mapped() - before)
 
 
+@pytest.mark.slow
 def test_a_v3_build_keeps_no_compiled_code_mapped_and_its_kernels_are_avx2(v3_graph):
     # The no-constants check loaded the package in a child: nothing of it stays mapped in the build process.
     assert not v3_graph.new_maps
@@ -168,6 +169,7 @@ def test_a_v3_build_keeps_no_compiled_code_mapped_and_its_kernels_are_avx2(v3_gr
     assert [m["AOTI_CPU_ISA"] for m in meta] == ["AVX2"]   # inductor's vector ISA, pinned to the level's
 
 
+@pytest.mark.slow
 def test_a_v3_graph_compiled_on_any_host_holds_no_avx512_instructions(v3_graph, tmp_path):
     if not shutil.which("objdump"):
         pytest.skip("objdump is not installed")
@@ -190,6 +192,7 @@ def test_zmm_instructions_are_counted_in_instruction_lines_only():
     assert zmm_instructions(dis + "    1a49:\t62 f1 7c 48 10 07    \tvmovups (%rdi),%zmm0\n") == 1
 
 
+@pytest.mark.slow
 def test_a_v3_graph_passes_the_load_check_here_and_matches_eager(v3_graph, tmp_path, host):
     from qic.backends.inductor.build import InductorBackend
     from qic.backends.inductor.load import check, load

@@ -161,6 +161,7 @@ def _expected(weights: dict, seed: int) -> np.ndarray:
     return ((x[0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 0).numpy() * 255).round()
 
 
+@pytest.mark.slow
 def test_a_stand_in_family_plugs_in_by_its_folder_alone(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(_stand_in_family(tmp_path / "site")), str(ROOT)])}
     ckpt, weights = _checkpoint(tmp_path / "ckpt")

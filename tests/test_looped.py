@@ -250,6 +250,7 @@ def test_export_looped_step_graph():
         assert rel_l2(moved - latents, got - latents) > 100 * TOL
 
 
+@pytest.mark.slow
 def test_aot_compiled_looped_text_encoder(tmp_path):
     """The one compile of this file: export -> InductorBackend.compile (asserts no baked constant) -> the
     runtime loader with weights as trailing inputs."""

@@ -21,6 +21,8 @@ from tests.conftest import TINY_RES
 from tests.test_neuron_loader_fake import fnv1a64
 from tests.test_neuron_xla import xla
 
+pytestmark = pytest.mark.slow   # builds neuron bundles (lowering on XLA:CPU) and runs them through a fake runtime
+
 FAKES = Path(__file__).resolve().parent / "fakes"
 ROOT = Path(__file__).resolve().parent.parent
 

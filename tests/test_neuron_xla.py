@@ -22,6 +22,8 @@ from PIL import Image
 from tests.conftest import BUCKETS, ROOT, SHORT_PROMPT, TINY_RES, image_diff, qic
 from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 
+pytestmark = pytest.mark.slow   # lowers graphs with torch-xla and runs them on XLA:CPU
+
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 XLA_CPU_REL_L2 = 1e-5   # qic.backends.neuron.build.XLA_CPU_REL_L2 (fp32, a few ulps per reduction; see there)
 

@@ -20,6 +20,8 @@ from tests.conftest import Q21_BUCKET, Q21_SIZE, image_diff
 from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 from tests.test_neuron_xla import XLA_CPU_REL_L2, xla, xla_qic
 
+pytestmark = pytest.mark.slow   # lowers graphs with torch-xla and runs them on XLA:CPU
+
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 

@@ -27,6 +27,8 @@ from tests.conftest import TINY_RES, diffusers_image, image_diff, pixels, qic
 from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 from tests.test_neuron_xla import xla  # fails, naming `make xla-env`, where .venv-xla is missing
 
+pytestmark = pytest.mark.slow   # spawns ranks for every layout
+
 PROMPT, STEPS, SEED = "a small red cube", 4, 5
 BUCKET = 129
 LAYOUTS = [Layout(1, 1, 2), Layout(1, 2, 1), Layout(2, 2, 1), Layout(2, 1, 2), Layout(1, 2, 2)]

@@ -438,6 +438,7 @@ def _rank_tp(rank: int, tp: int, path: str) -> dict:
             "looped_equal": torch.equal(looped0, pred0) and torch.equal(looped_k, k) and torch.equal(looped1, pred1)}
 
 
+@pytest.mark.slow
 def test_tp2_matches_tp1(tmp_path):
     """(e) TP 2 on a gloo world of 2 processes equals TP 1: predictions of a prefill and a decode, and the
     prefix K/V (each rank holds its heads' half). A skipped reduction fails the same bound."""

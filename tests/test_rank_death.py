@@ -25,6 +25,8 @@ from qic.parallel.ranks import REPORT_GRACE_S, RankFailure, spawn
 from tests.conftest import QIC, ROOT, TINY_RES
 from tests.helpers import assert_die_with
 
+pytestmark = pytest.mark.slow   # spawns ranks and kills them
+
 BUCKET, STEPS, KILL_AT = 129, 8, 4     # the victim dies at its 4th denoise step: past step caching's warm-up
 PG_TIMEOUT_S = 3.0
 # A peer notices a dead rank from its closed connection at once, or from a store or collective timing out

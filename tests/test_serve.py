@@ -31,6 +31,8 @@ from qic.serve.queue import Job, take_group
 from tests.conftest import BUCKETS, QIC, ROOT, TINY_RES, qic
 from tests.helpers import assert_die_with, rewritten_bundle
 
+pytestmark = pytest.mark.slow   # starts servers over compiled bundles
+
 SIZE = "{1}x{0}".format(*TINY_RES)   # OpenAI's WIDTHxHEIGHT
 STEPS = 2
 

@@ -107,6 +107,7 @@ def test_swapped_cfg_branches_fail_the_meaning_check(shapes_bundle):
     assert right <= 0.25
 
 
+@pytest.mark.slow
 def test_a_wrong_latent_scale_fails_the_meaning_check(shapes_ckpt):
     """diffusers' pipeline decoding with the latent scale off by 10x (latents_std x 0.1) draws the wrong
     colours; the same pipeline with the right config draws the prompt. The inverted scale (1/std, the
@@ -155,6 +156,7 @@ def test_tp2_draws_what_tp1_draws(shapes_bundle, workdir, cache_dir, tmp_path):
     assert worst <= 4.0
 
 
+@pytest.mark.slow
 def test_lowered_graphs_on_xla_cpu_draw_the_prompt(workdir, tmp_path):
     from tests.test_neuron_xla import xla_qic
     out = workdir / "bundle-shapes-neuron"

@@ -27,6 +27,8 @@ from tests.conftest import QIC, ROOT, SHAPES_RES, SHORT_PROMPT, TINY_RES, image_
 from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 from training import shapes
 
+pytestmark = pytest.mark.slow   # builds and compiles step-cached bundles
+
 STEPS = 10
 PROMPT_SHAPES = shapes.prompt_of(*shapes.HELD_OUT[0])
 

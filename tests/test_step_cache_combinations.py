@@ -20,6 +20,8 @@ from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 from tests.test_lora import SCALE, write_lora
 from tests.test_lora import _factors as lora_factors
 
+pytestmark = pytest.mark.slow   # builds and compiles step-cached bundles
+
 STEPS = 10
 MIN_MARGIN = 1e-4      # relative distance of every figure from the threshold: 100x what fp32 reordering moves one
 

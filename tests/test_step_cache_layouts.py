@@ -25,6 +25,8 @@ from qic.parallel.tp import spawn
 from tests.conftest import TINY_RES, image_diff, pixels
 from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 
+pytestmark = pytest.mark.slow   # spawns ranks for every layout
+
 PROMPT, STEPS, SEED, BUCKET, THRESHOLD = "a small red cube", 10, 5, 129, 1.25
 LAYOUTS = [Layout(1, 1, 2), Layout(1, 2, 1), Layout(2, 1, 2), Layout(2, 2, 1), Layout(1, 2, 2)]
 

@@ -455,6 +455,7 @@ def _rank_odd_vocab(rank: int, tp: int, raw: dict, files: list) -> torch.Tensor:
         return m(*_odd_inputs())
 
 
+@pytest.mark.slow
 def test_vocab_not_divisible_by_tp_is_padded(odd_vocab_ckpt, tmp_path_factory):
     """A text-encoder vocabulary of 1025 at TP 2 and 4 (once refused as not divisible): stage 1 gives every
     rank ceil(1025 / TP) rows, the surplus rows zeros at the end, the memory plan counts those shapes, and
@@ -504,6 +505,7 @@ def eager_run(request, tp_ckpt, shards):
     return tp, results
 
 
+@pytest.mark.slow
 def test_tp_matches_tp1(eager_run, reference):
     tp, results = eager_run
     for comp in ("text_encoder", "denoiser"):
@@ -524,11 +526,13 @@ def test_tp_matches_tp1(eager_run, reference):
         assert rel_l2(out, reference["vae_decoder"]) < REL_MAX
 
 
+@pytest.mark.slow
 def test_module_built_for_another_tp_is_refused(eager_run):
     tp, results = eager_run
     assert results[0]["refused"] == f"module was built for tp_size [1], but the process group has {tp} ranks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["te_mlp_not_reduced", "dn_mlp_not_reduced", "dn_text_out_not_reduced",
                                      "dn_text_unsharded"])
 def test_broken_tp_variants_are_caught(eager_run, reference, variant):
@@ -554,6 +558,7 @@ def compiled_run(shards, tmp_path_factory):
     return rank0.value, torch.load(work / "rank1.pt", weights_only=False), failure.value
 
 
+@pytest.mark.slow
 def test_compiled_tp_graph_one_artifact_for_all_ranks(compiled_run, reference):
     """One AOTInductor package, compiled on rank 0 with the all_reduces inside, serves both ranks: the
     process group reaches the graph by name ("0", the world group), the weights as inputs."""
@@ -573,6 +578,7 @@ def test_compiled_tp_graph_one_artifact_for_all_ranks(compiled_run, reference):
     assert torch.equal(r0["out"], r1["out"])
 
 
+@pytest.mark.slow
 def test_killed_rank_fails_compiled_peer_quickly(compiled_run):
     r0, _, failure = compiled_run
     FIGURES["kill (compiled): rank 0 error"] = r0["kill_error"][:160]
@@ -581,6 +587,7 @@ def test_killed_rank_fails_compiled_peer_quickly(compiled_run):
     assert "rank 1: exited with code 3" in str(failure)
 
 
+@pytest.mark.slow
 def test_hung_rank_times_out(shards):
     """A peer that is alive but never joins: the process group's timeout ends the wait."""
     import datetime
@@ -594,6 +601,7 @@ def test_hung_rank_times_out(shards):
     assert "Timed out" in rank0.value["error"] and HANG_TIMEOUT_S - 0.5 < rank0.value["seconds"] < HANG_TIMEOUT_S + 20
 
 
+@pytest.mark.slow
 def test_killed_rank_fails_peer_quickly(shards):
     files = {"text_encoder": shards[("text_encoder", 2)]}
     t0 = time.perf_counter()
@@ -617,6 +625,7 @@ def _rank_raise(rank: int, tp: int) -> int:
     return rank
 
 
+@pytest.mark.slow
 def test_spawn_reports_rank_errors():
     with pytest.raises(T.RankFailure, match="rank 1: ValueError: boom on rank 1") as info:
         T.spawn(_rank_raise, 2, timeout=120)
@@ -699,6 +708,7 @@ def _rank_after_compiler_import(rank: int, tp: int, bundle: str, calls: int) -> 
     return out
 
 
+@pytest.mark.slow
 def test_tp2_package_runs_in_a_process_that_imported_the_compiler(bundle_tp2):
     """A TP package run where torch's functional-collective autograd kernels are registered (a process that
     compiled, as benchmarks/layouts.py's first version did on rank 0). Their Python wrappers give the
@@ -714,6 +724,7 @@ def test_tp2_package_runs_in_a_process_that_imported_the_compiler(bundle_tp2):
         assert torch.isfinite(out).all() and torch.equal(out, outs[1][name]), name
 
 
+@pytest.mark.slow
 def test_tp4_final_image_equals_tp1(odd_vocab_ckpt, workdir, cache_dir, tmp_path):
     """A config whose heads divide by 4 and whose text vocabulary (1025: an added token) does not, so the
     embedding is padded: TP=4 bundle image vs the TP=1 image (eager reference)."""

@@ -9,11 +9,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.conftest import ROOT
 from training import shapes
 
 
+@pytest.mark.slow
 def test_training_smoke_mode_writes_loadable_weights(tmp_path):
     """`python -m training.train_shapes --smoke`: every stage for a few iterations; the files it writes are
     what the package data is (names, shapes, the sha256 in trained.json)."""

@@ -87,6 +87,7 @@ def warmed(tmp_path_factory, alt_configs, tiny_alt_ckpt):
                            build_stdout=outs[2][0])
 
 
+@pytest.mark.slow
 def test_shards_cover_each_job_once_and_a_build_after_compiles_nothing(warmed, tiny_alt_ckpt):
     ids = [{r["job_id"] for r in rep["rows"]} for rep in warmed.reports]
     assert ids[0] and ids[1] and not ids[0] & ids[1]
@@ -117,6 +118,7 @@ def test_warm_from_configs_without_a_tokenizer_degrades_to_the_dropped_template_
     assert bad.returncode == 1 and "text bucket 30 is too small" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_job_publishes_nothing_and_the_others_finish(warmed, tmp_path, alt_configs):
     matrix = tmp_path / "m.yaml"
     matrix.write_text(f"model: {json.dumps(str(alt_configs))}\ncomponents: [vae_decoder]\n"
@@ -143,6 +145,7 @@ def _entry_copy(warmed, tmp_path) -> tuple[Path, str, dict]:
     return cache, d.name, json.loads((d / store.META).read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit, reason", [
     (lambda m, d: m["backend"].update(torch="2.12.0"), "torch 2.12.0"),
     (lambda m, d: m["backend"].update(torch_git="0" * 40), "torch_git"),
@@ -165,6 +168,7 @@ def test_entries_for_another_toolchain_or_damaged_are_ignored_with_a_warning(war
     assert not d.exists()                                         # set aside: the rebuild takes its place
 
 
+@pytest.mark.slow
 def test_bundle_for_an_instruction_set_this_cpu_lacks_is_refused_before_loading(warmed, tmp_path, monkeypatch):
     import qic.runtime.bundle as rb
     from qic.backends.inductor import target as qic_target
@@ -211,6 +215,7 @@ def test_cuda_graphs_need_the_recorded_compute_capability():
     assert target_mismatch(host_target("cpu"), "cpu") is None
 
 
+@pytest.mark.slow
 def test_cache_ls_verify_prune(warmed, tmp_path):
     cache, gkey, _ = _entry_copy(warmed, tmp_path)
     ls = qic("cache", "ls", cache).stdout
@@ -227,6 +232,7 @@ def test_cache_ls_verify_prune(warmed, tmp_path):
     assert [p.name for p in (cache / "graphs").iterdir()] == [gkey]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tamper, reason", [
     ("none", None),
     ("missing", "it is not signed"),
@@ -259,6 +265,7 @@ def test_remote_entries_need_a_good_signature(warmed, tmp_path, capsys, tamper, 
         assert open_remote(str(remote_dir), (), trusted=True).fetch(gkey, local, InductorBackend("cpu").identity())
 
 
+@pytest.mark.slow
 def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(warmed, tmp_path, tiny_alt_ckpt):
     good = _build(tiny_alt_ckpt, tmp_path / "a", tmp_path / "ba", "--cache-from", warmed.cache,
                   "--cache-public-key", warmed.pub_path, res=RES[:1])
@@ -282,6 +289,7 @@ def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(
     assert store.lookup(local, gkey, json.loads((warmed.cache / "graphs" / gkey / store.META).read_text())["backend"])
 
 
+@pytest.mark.slow
 def test_warm_jobs_split_a_shard_across_processes(warmed):
     one = qic("warm", warmed.matrix, "--cache-dir", warmed.cache, "--dry-run", "--shard", "1/1",
               "--report", warmed.dir / "j1.json")
@@ -402,6 +410,7 @@ def hub(tmp_path):
     standin.close()
 
 
+@pytest.mark.slow
 def test_hub_store_push_and_pull_against_a_stand_in_server_with_a_412_and_a_500(warmed, tmp_path, hub):
     standin, env = hub
     url = "hf://qic-test/cache"
