@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from qic import backends
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qic"
 # Folder names tools treat as output: black's default exclude, GitHub's Python .gitignore template.
 OUTPUT_NAMES = {"build", "dist", "out", "target", "artifacts", "_build"}
-BACKEND_NAMES = ("inductor", "neuron")
+BACKEND_NAMES = backends.NAMES
 
 
 def _modules() -> dict[str, Path]:

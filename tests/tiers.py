@@ -36,10 +36,14 @@ SLOW_FIXTURES = frozenset({
     "q21_bundle", "q21_bundle_tp2", "q21_bundle_cfgp", "shapes_bundle", "shapes_bundle_batch2",
 })
 
-# The fast tier's ceiling for one test (setup and call): about the cost of compiling one tiny graph on two
-# cores, so a test that compiles, serves or spawns ranks cannot hide under it. QIC_FAST_TEST_SECONDS overrides
-# it for a loaded machine.
+# The fast tier's ceiling for one test (setup and call) on an unloaded machine: about the cost of compiling one
+# tiny graph on two cores, so a test that compiles, serves or spawns ranks cannot hide under it. It grows with
+# the load beyond one process a core (ceiling()), as everything slows alike. QIC_FAST_TEST_SECONDS overrides it.
 FAST_TEST_SECONDS = float(os.environ.get("QIC_FAST_TEST_SECONDS", "20"))
+
+
+def ceiling() -> float:
+    return FAST_TEST_SECONDS * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 _start = time.time()
 _counts = {"processes": 0, "pipelines": 0}
@@ -128,9 +132,9 @@ def pytest_runtest_makereport(item, call):
     problem = _refused_compile(item, rep.when)
     seconds = getattr(item, "_tier_seconds", 0.0) + rep.duration
     item._tier_seconds = seconds
-    if problem is None and rep.when == "call" and seconds > FAST_TEST_SECONDS:
-        problem = (f"took {seconds:.0f} s in the fast tier (ceiling {FAST_TEST_SECONDS:.0f} s, QIC_FAST_TEST_SECONDS): "
-                   "mark it @pytest.mark.slow, or make it cheaper")
+    if problem is None and rep.when == "call" and seconds > ceiling():
+        problem = (f"took {seconds:.0f} s in the fast tier (ceiling {ceiling():.1f} s at this load, "
+                   "QIC_FAST_TEST_SECONDS): mark it @pytest.mark.slow, or make it cheaper")
     if problem:
         rep.outcome = "failed"
         rep.longrepr = f"make check: {item.nodeid} {problem}\n\n{rep.longrepr or ''}"

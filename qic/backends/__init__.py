@@ -13,7 +13,7 @@ from types import ModuleType
 
 from qic.errors import BundleError, ConfigError
 
-NAMES = ("inductor", "neuron")   # the first is the default
+NAMES = ("inductor", "neuron", "export")   # the first is the default
 
 
 def info(name: str) -> ModuleType:

@@ -73,8 +73,8 @@ def main(debug):
 _BUILD_OPTIONS = [
     click.option("--model", help="Checkpoint: a local diffusers-layout directory or a hub id "
                                  "(default: embedded:shapes, the trained tiny model)."),
-    click.option("--backend", help="inductor | neuron"),
-    click.option("--device", help="cpu | cuda (inductor), neuron"),
+    click.option("--backend", help="inductor | neuron | export (torch.export programs run by torch: no compile)"),
+    click.option("--device", help="cpu | cuda (inductor), neuron, cpu (export)"),
     click.option("--tp", type=int, help="Tensor-parallel degree."),
     click.option("--ulysses", type=int, help="Ulysses sequence-parallel degree of the denoiser (world = tp x "
                                              "ulysses x 2 with --cfg-parallel)."),
@@ -122,7 +122,7 @@ def _overrides(resolutions, loras=(), cache_public_keys=(), **flags) -> dict:
 _LOAD_OPTIONS = [
     click.option("--device", default=None,
                  help="Where to run (default: the bundle's): cpu | cuda for inductor bundles; "
-                      "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU)."),
+                      "neuron | xla-cpu for neuron bundles (xla-cpu runs the HLO on XLA:CPU); cpu for export bundles."),
     click.option("--weights", "weights_from", type=click.Path(file_okay=False),
                  help="Run with another bundle's weights (same architecture: e.g. Qwen-Image-2512, a LoRA build)."),
     click.option("--verify-all", is_flag=True,

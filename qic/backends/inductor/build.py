@@ -125,22 +125,7 @@ class InductorBackend(Backend):
         return ident
 
     def trace(self, gdef, tensors: dict) -> Traced:
-        """torch.export of the module with its weights as trailing inputs; the exported graph's text and
-        signature name it in the cache."""
-        names = list(tensors)
-        args = tuple(t for _, t in gdef.inputs)
-        dynamic = None
-        if gdef.dynamic:
-            dynamic = (tuple(gdef.dynamic.get(name) for name, _ in gdef.inputs), [None] * len(names))
-        with torch.no_grad():
-            program = torch.export.export(WeightsAsInputs(gdef.module, names), (args, [tensors[n] for n in names]),
-                                          dynamic_shapes=dynamic)
-        h = hashlib.sha256(b"qic-graph-v2")
-        if has_collectives(program):   # compiled with other configs: its own key
-            h.update(json.dumps(COLLECTIVE_GRAPH_CONFIGS, sort_keys=True).encode())
-        h.update(graph_text(program).encode())
-        h.update(str(program.graph_signature).encode())
-        return Traced(h, names, program)
+        return export_graph(gdef, tensors)
 
     def compile(self, traced: Traced, out_dir: Path) -> CompiledGraph:
         from torch._inductor import aoti_compile_and_package
@@ -162,6 +147,25 @@ class InductorBackend(Backend):
                                          inductor_configs=compile_options(self.device, cpu_target=self.cpu_target,
                                                                           collectives=has_collectives(program)))
         return CompiledGraph(file=path.name)
+
+
+def export_graph(gdef, tensors: dict) -> Traced:
+    """torch.export of the module with its weights as trailing inputs; the exported graph's text and signature
+    name it in the cache (the export back end saves this same program)."""
+    names = list(tensors)
+    args = tuple(t for _, t in gdef.inputs)
+    dynamic = None
+    if gdef.dynamic:
+        dynamic = (tuple(gdef.dynamic.get(name) for name, _ in gdef.inputs), [None] * len(names))
+    with torch.no_grad():
+        program = torch.export.export(WeightsAsInputs(gdef.module, names), (args, [tensors[n] for n in names]),
+                                      dynamic_shapes=dynamic)
+    h = hashlib.sha256(b"qic-graph-v2")
+    if has_collectives(program):   # compiled with other configs: its own key
+        h.update(json.dumps(COLLECTIVE_GRAPH_CONFIGS, sort_keys=True).encode())
+    h.update(graph_text(program).encode())
+    h.update(str(program.graph_signature).encode())
+    return Traced(h, names, program)
 
 
 def baked_tensors(program) -> list[str]:

@@ -10,5 +10,5 @@ FAMILY = Family(
     # after it (the runtime's text-to-image program calls one whole-step graph a step, which 2.1 has not).
     host="qic.models.qwen_image_21.host",
     tokenizer="processor",                    # the pipeline's Qwen3VLProcessor folder holds the tokenizer files
-    backends=("inductor", "neuron"),          # neuron: every graph lowered to HLO and checked on XLA:CPU at build
+    backends=("inductor", "neuron", "export"),   # neuron: every graph lowered to HLO and checked on XLA:CPU at build
 )

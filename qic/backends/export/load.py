@@ -1,0 +1,35 @@
+"""The export back end's run half: a saved torch.export program, its weights bound as trailing inputs, run by
+torch under inference mode (the same mode as the inductor back end's runs, for the same reason: load.py there)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def check(bundle: Path, manifest: dict, device: str) -> None:
+    """A saved program runs wherever its torch runs; only the device is checked here."""
+    from qic.backends.export import RUN_DEVICES
+    from qic.errors import BundleError
+    if device not in RUN_DEVICES:
+        raise BundleError(f"{bundle}: an export bundle runs on device {' or '.join(RUN_DEVICES)}, not {device!r}",
+                          "leave --device out (the bundle's own)")
+
+
+def describe(manifest: dict) -> tuple[list[str], dict]:
+    """What `qic inspect` adds for this back end: (lines, {column: graph -> text})."""
+    return ["graphs are torch.export programs run by torch, not compiled (the export back end)"], {}
+
+
+def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, world: int = 1,
+         manifest: dict | None = None):
+    module = torch.export.load(str(path)).module()
+    bound = [w if w.device.type == device else w.to(device) for w in weights]
+
+    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            out = module(tuple(inputs), bound)
+        return list(torch.utils._pytree.tree_leaves(out))
+
+    return run
