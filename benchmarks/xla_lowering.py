@@ -110,7 +110,10 @@ def tp_check(tp: int) -> dict:
             "host_transfers": sum(ops[o] for o in HOST_TRANSFER_OPS),
             "cos": [torch.nn.functional.cosine_similarity(o[0].flatten().float(), w, 0).item() for o in outs],
             "rel_l2": [((o[0].flatten().float() - w).norm() / w.norm()).item() for o in outs],
+            # max-abs over the output's largest magnitude: the elementwise error on the output's own scale
+            "max_abs_rel": [((o[0].flatten().float() - w).abs().max() / w.abs().max()).item() for o in outs],
             "wrong_shard_cos": torch.nn.functional.cosine_similarity(wrong[0][0].flatten().float(), w, 0).item(),
+            "wrong_shard_rel_l2": ((wrong[0][0].flatten().float() - w).norm() / w.norm()).item(),
         }
     return out
 

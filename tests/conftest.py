@@ -229,10 +229,12 @@ def shapes_bundle(shared_dir, cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shapes_bundle_batch2(shapes_bundle, shared_dir, cache_dir) -> Path:
-    """The trained model at 128x128 with batch sizes 1 and 2 (the batch-1 graphs are the default build's), and
-    step caching's split graphs for cache-dit's DBCache with Fn 2, Bn 1 (tests/test_step_cache.py)."""
-    return _build(shared_dir, "bundle-shapes-batch2", "--cache-dir", cache_dir,
+def shapes_bundle_batch2(shared_dir, cache_dir) -> Path:
+    """The trained model at 128x128 with batch sizes 1 and 2, and step caching's split graphs for cache-dit's
+    DBCache with Fn 2, Bn 1 (tests/test_step_cache.py), built with the export back end: its tests are of the host
+    program (DBCache's decisions, batches through qic serve), and the compiled batch-2 and split graphs are
+    bundle_batch2's and test_step_cache.py's fbc_bundle's (the compile of 7 graphs at 128x128 saved)."""
+    return _build(shared_dir, "bundle-shapes-batch2", "--cache-dir", cache_dir, "--backend", "export",
                   "--resolution", "{}x{}".format(*SHAPES_RES), "--batch-sizes", "1,2", "--step-cache", "2,1")[0]
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from qic.errors import QicError
 from qic.host.options import CACHE_FIELDS
 from qic.spec import KEYS, load_spec
-from tests.conftest import TINY_RES, xdist_worker
+from tests.conftest import TINY_RES, qic, xdist_worker
 
 SWEEP = settings(max_examples=1000, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))
@@ -80,7 +80,9 @@ def report_counts(bundle, cache_dir):
 
 
 # The outcome that counts as accepted, per sweep: an example the verb went on to use.
-ACCEPTED = {"build configs": "accepted and valid", "run options": "accepted", "HTTP bodies": "200"}
+ACCEPTED = {"build configs": "accepted and valid", "run options": "accepted", "HTTP bodies": "200",
+            # the step-cached bundle's sweep must have taken some active step-caching settings, not only refused them
+            "run options, step-cached bundle": "accepted with step caching on"}
 
 # Step caching's settings (qic.host.cache_policy): numbers at and around their limits, step masks good and bad.
 _CACHE_VALUES = st.one_of(_VALUES, st.integers(-2, 6), st.floats(-1, 3), st.sampled_from(
@@ -186,18 +188,50 @@ _FLAGS = st.lists(st.tuples(st.sampled_from(["--steps", "--guidance", "--seed", 
                   max_size=4)
 
 
+@pytest.fixture(scope="module")
+def cached_bundle(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with FirstBlockCache's split (1, 0), so that step caching's settings can be accepted
+    (the session bundle has none: every active setting is refused there). Built with the export back end: the
+    sweep checks admission, never the graphs, and this build compiles nothing (seconds)."""
+    out = tmp_path_factory.mktemp("sweep-cached") / "bundle"
+    qic("build", "--model", tiny_ckpt, "--backend", "export", "--resolution", "{}x{}".format(*TINY_RES),
+        "--text-buckets", "72", "--step-cache", "1,0", "--cache-dir", out.parent / "cache", "--output", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cached_loaded(cached_bundle):
+    from qic.runtime.bundle import Bundle
+    return Bundle(cached_bundle)
+
+
 @SWEEP
 @given(flags=_FLAGS, lines=st.lists(_prompt_lines(), max_size=3), use_file=st.booleans())
 def test_generated_run_options_are_accepted_or_refused_in_one_line(flags, lines, use_file, bundle, loaded,
                                                                     tmp_path_factory, monkeypatch):
+    _sweep_run_options("run options", flags, lines, use_file, bundle, loaded, tmp_path_factory, monkeypatch)
+
+
+@settings(SWEEP, max_examples=400)
+@given(flags=_FLAGS, lines=st.lists(_prompt_lines(), max_size=3), use_file=st.booleans())
+def test_generated_run_options_on_a_step_cached_bundle(flags, lines, use_file, cached_bundle, cached_loaded,
+                                                       tmp_path_factory, monkeypatch):
+    _sweep_run_options("run options, step-cached bundle", flags, lines, use_file, cached_bundle, cached_loaded,
+                       tmp_path_factory, monkeypatch)
+
+
+def _sweep_run_options(kind, flags, lines, use_file, bundle, loaded, tmp_path_factory, monkeypatch):
     import qic.cli.run as run_verb
     from qic.cli import main
     from qic.runtime.generate import validate
     from qic.runtime.programs import program_of
 
     def checked(b, req):
-        validate(req, loaded)
+        req = validate(req, loaded)
         assert (req.height, req.width) in loaded.resolutions
+        if req.cache.active:   # only a bundle with step-caching graphs takes an active setting
+            assert loaded.step_cache, req.cache
+            _count(kind, "accepted with step caching on")
         raise _Validated
     def load(*args, **kwargs):
         return loaded
@@ -216,14 +250,14 @@ def test_generated_run_options_are_accepted_or_refused_in_one_line(flags, lines,
     try:
         result = CliRunner().invoke(main, args)
     except _Validated:
-        _count("run options", "accepted")
+        _count(kind, "accepted")
         return
     assert result.exit_code == 2, (args, result.output, result.exc_info)
     assert "Traceback" not in result.output
     first = result.output.strip().splitlines()[0]
     assert first.startswith(("error: ", "Usage: ", "Error: ")), result.output
     assert "internal error" not in result.output, (args, result.output)
-    _count("run options", "refused")
+    _count(kind, "refused")
 
 
 # ---- HTTP request bodies ---------------------------------------------------------------------------

@@ -177,3 +177,26 @@ def test_compile_past_its_timeout_is_killed_with_its_workers(fake_cc, tmp_path, 
         monkeypatch.setenv(neuron_cc.TIMEOUT_ENV, bad)
         with pytest.raises(ConfigError, match=neuron_cc.TIMEOUT_ENV):
             neuron_cc.compile_timeout()
+
+
+def test_the_lower_only_warning_names_multi_rank_bf16_graphs_as_not_checked():
+    """XLA:CPU has no bf16 collectives, so a multi-rank bf16 graph is lowered, not executed, at build (check_skipped
+    says why, compile() records it), and the warning a lower-only build prints names it as not checked, beside what
+    was (artifacts as compile() records them)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qic.backends.neuron.build import check_skipped, checked_summary
+    bf16, fp32 = {"w": torch.zeros(2, dtype=torch.bfloat16)}, {"w": torch.zeros(2)}
+    why = check_skipped(True, 2, bf16)
+    assert why == "not run: 2-rank bfloat16 graph (XLA:CPU has no bfloat16 collectives)"
+    assert check_skipped(True, 1, bf16) is None and check_skipped(True, 2, fp32) is None   # these are executed
+    assert check_skipped(False, 1, fp32) == "not run (xla_check: false)"
+    checked = SimpleNamespace(meta={"graph": "vae_decoder@48x80", "checks": {"xla_cpu_rel_l2": 3e-7, "tp": 1}})
+    skipped = SimpleNamespace(meta={"graph": "denoiser@48x80@L128",
+                                    "checks": {"xla_cpu_rel_l2": None, "tp": 2, "xla_cpu_check": why}})
+    assert checked_summary([checked, skipped]) == (
+        "1 of 2 graphs executed on XLA:CPU and matched eager PyTorch (1 on one XLA:CPU device); not checked: "
+        f"denoiser@48x80@L128 ({why})")
+    assert "not checked" not in checked_summary([checked])

@@ -35,6 +35,10 @@ LAYOUTS = [Layout(1, 1, 2), Layout(1, 2, 1), Layout(2, 2, 1), Layout(2, 1, 2), L
 
 
 def _image(root: str, layout: Layout | None, rank: int, guidance: float, broken: str | None = None):
+    return pixels(_generate(root, layout, rank, guidance, broken).image)
+
+
+def _generate(root: str, layout: Layout | None, rank: int, guidance: float, broken: str | None = None):
     import qic.models.qwen_image.ulysses as U
     import qic.parallel.sequence as S
     from qic.builder.eager import EagerModel
@@ -45,7 +49,13 @@ def _image(root: str, layout: Layout | None, rank: int, guidance: float, broken:
         S.StackGather.__call__ = lambda self, x: x.unsqueeze(0).expand(self.size, *x.shape)
     model = EagerModel(root, [TINY_RES], [BUCKET], layout=layout, rank=rank)
     req = Request(PROMPT, steps=STEPS, seed=SEED, guidance=guidance, height=TINY_RES[0], width=TINY_RES[1])
-    return pixels(generate(model, req).image)
+    return generate(model, req)
+
+
+def _rank_and_idle(rank: int, world: int, root: str, layout: Layout, guidance: float):
+    """The image and whether this rank idled (waited for CFG group 0 in place of a denoise loop: its `idle` time)."""
+    result = _generate(root, layout, rank, guidance)
+    return pixels(result.image), "idle" in result.timings
 
 
 def _rank(rank: int, world: int, root: str, layout: Layout, guidance: float, broken: str | None):
@@ -100,8 +110,9 @@ def test_batch_of_two_under_tp2_x_cfg_parallel_matches_each_image_alone(tiny_ckp
 def test_cfg_parallel_without_cfg_idles_group_1_and_matches(tiny_ckpt, references):
     """Guidance 1: one prediction a step. CFG group 1 idles through the loop (nothing of its own to compute),
     then takes group 0's latents: both ranks draw TP 1's no-CFG image."""
-    images = spawn(_rank, 2, str(tiny_ckpt), Layout(1, 1, 2), 1.0, None)
-    for img in images:
+    results = spawn(_rank_and_idle, 2, str(tiny_ckpt), Layout(1, 1, 2), 1.0)
+    assert [idled for _, idled in results] == [False, True]   # group 0 denoised, group 1 idled
+    for img, _ in results:
         for ref in ("tp1", "diffusers"):
             worst, mean = image_diff(img, references[(ref, 1.0)])
             assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (ref, mean, worst)

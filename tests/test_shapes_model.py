@@ -140,8 +140,11 @@ def test_a_wrong_latent_scale_fails_the_meaning_check(shapes_ckpt):
 
 
 def test_tp2_draws_what_tp1_draws(shapes_bundle, workdir, cache_dir, tmp_path):
+    # TP 2 with the export back end (the TP graphs' compile is tests/test_tp.py's): the ranks' collectives and the
+    # sharded trained weights draw what the compiled TP 1 bundle draws.
     out = workdir / "bundle-shapes-tp2"
-    qic("build", "--cache-dir", cache_dir, "--output", out, "--tp", "2", "--resolution", "{}x{}".format(*SHAPES_RES))
+    qic("build", "--cache-dir", cache_dir, "--output", out, "--tp", "2", "--resolution", "{}x{}".format(*SHAPES_RES),
+        "--backend", "export")
     prompts = [shapes.prompt_of(*t) for t in shapes.HELD_OUT[:4]]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p, "seed": 3}) + "\n" for p in prompts))
     qic("run", out, "--tp", "2", "--prompts-file", tmp_path / "p.jsonl", "--output", tmp_path / "tp2.png")

@@ -182,11 +182,11 @@ def test_inspect_names_the_split_and_lists_its_graphs(fbc_bundle, bundle):
 
 def test_first_block_cache_matches_diffusers_on_the_trained_model(shapes_bundle, workdir, cache_dir, shapes_pipe,
                                                                   tmp_path):
-    """The trained model (4 blocks), compiled with FirstBlockCache's split: its text encoder, whole step and
-    decoder are the default build's (cache hits), four split graphs are new. 20 steps."""
+    """The trained model (4 blocks) with FirstBlockCache's split, 20 steps: the host program's decisions against
+    diffusers'. Built with the export back end (nothing compiled): the compiled split graphs are fbc_bundle's."""
     out = workdir / "bundle-shapes-fbc"
     qic("build", "--cache-dir", cache_dir, "--output", out, "--resolution", "{}x{}".format(*SHAPES_RES),
-        "--step-cache", "1,0")
+        "--step-cache", "1,0", "--backend", "export")
     threshold, steps = 0.3, 20
     ref, ref_computed = fbc_reference(shapes_pipe, threshold, PROMPT_SHAPES, steps, *SHAPES_RES)
     image, _ = _qic_run(out, tmp_path, "fbc-shapes", "--cache-threshold", threshold, prompt=PROMPT_SHAPES,
@@ -301,11 +301,12 @@ def test_split_graphs_lower_and_run_on_xla_cpu(tp):
 
 
 @pytest.fixture(scope="module")
-def fbc_bundle_tp2(bundle_tp2, workdir, cache_dir, tiny_ckpt):
-    """fbc_bundle's split at TP 2: bundle_tp2's other graphs (cache hits), the split graphs new."""
+def fbc_bundle_tp2(workdir, cache_dir, tiny_ckpt):
+    """fbc_bundle's split at TP 2, built with the export back end: the test is of the ranks' decisions (rank 0's,
+    broadcast); compiled split graphs at TP 2 are tests/test_compiled_layouts.py's TP 2 x CFG-parallel 2 bundle's."""
     out = workdir / "bundle-step-cache-tp2"
     qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--tp", "2", "--resolution",
-        "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--step-cache", "1,0")
+        "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--step-cache", "1,0", "--backend", "export")
     return out
 
 

@@ -118,12 +118,16 @@ def _figures_apart(got, want) -> float:
 
 @pytest.mark.parametrize("layout, broken", [(Layout(1, 2, 1), "shard figure"), (Layout(1, 1, 2), "one branch decides")])
 def test_decisions_from_part_of_the_state_differ(layout, broken, tiny_ckpt, one_device):
-    """The check above can fail: a figure from one sequence shard's tokens only is off by more than the bound,
-    and one branch's figures deciding for both compute other steps than one device does."""
+    """The check above can fail, each variant where it looks: a figure from one sequence shard's tokens only is off
+    by more than ten times the bound (measured 7e-3; at these thresholds its decisions happen to stay), and one
+    branch's figures deciding for both compute other steps than one device does."""
     (_, computed, figures), = spawn(_images, layout.world, str(tiny_ckpt), layout, 4.0, (SEED,), broken)[0][0]
     apart = _figures_apart(figures, one_device[4.0][2])
     print(f"{broken}: figures {apart:.2e} apart, computed {computed}")
-    assert computed != one_device[4.0][1] or apart > 10 * FIGURE_REL, broken
+    if broken == "shard figure":
+        assert apart > 10 * FIGURE_REL, apart
+    else:
+        assert computed != one_device[4.0][1], computed
 
 
 @pytest.mark.parametrize("layout", [Layout(1, 1, 2), Layout(1, 2, 2)], ids=lambda lay: lay.describe().replace(" ", ""))

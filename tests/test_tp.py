@@ -33,7 +33,7 @@ from qic.models.qwen_image.text_encoder import QwenTextEncoder, TextEncoderConfi
 from qic.models.qwen_image.vae_decoder import QwenVAEDecoder, VAEConfig
 from qic.parallel import plans
 from qic.parallel import tp as T
-from tests.helpers import rel_l2, sensitize_
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL, rel_l2, sensitize_
 
 # TP splits each row-parallel matmul into per-rank partial sums plus an all-reduce: the same math summed
 # in another order, so TP=1 and TP=N differ by the fp32 reordering bound (tests/helpers.py: about 3e-5
@@ -667,7 +667,7 @@ def test_tp2_bundle_runs_and_matches_tp1(bundle, bundle_tp2, tmp_path):
     from PIL import Image
     mx, mean = image_diff(Image.open(tp2), Image.open(tp1))
     print(f"TP=2 vs TP=1 image: max {mx:.0f}/255 mean {mean:.4f}")
-    assert mx <= 2.0
+    assert mx <= MAX_PIXEL and mean <= MEAN_PIXEL   # TP reorders fp32 sums only (tests/helpers.py)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                 str(T.free_port()), "-m", "qic.cli", "run", str(out), "--prompt", SHORT_PROMPT, "--steps", "4",
                 "--output", str(tr)]
@@ -742,6 +742,6 @@ def test_tp4_final_image_equals_tp1(odd_vocab_ckpt, workdir, cache_dir, tmp_path
     ref = generate(eager, Request(SHORT_PROMPT, steps=4, seed=2)).image
     mx, mean = image_diff(Image.open(png), ref)
     print(f"TP=4 vs TP=1 image: max {mx:.0f}/255 mean {mean:.4f}")
-    assert mx <= 2.0
+    assert mx <= MAX_PIXEL and mean <= MEAN_PIXEL   # TP reorders fp32 sums only (tests/helpers.py)
     other = generate(eager, Request(SHORT_PROMPT, steps=4, seed=2, guidance=3.0))
-    assert image_diff(Image.open(png), other.image)[0] > 2.0
+    assert image_diff(Image.open(png), other.image)[0] > MAX_PIXEL

@@ -54,6 +54,13 @@ def loader(name: str) -> ModuleType:
     return importlib.import_module(f"qic.backends.{name}.load")
 
 
+def lockstep(name: str, device: str) -> bool:
+    """Whether back end `name` runs a multi-rank bundle's graphs on `device` in lockstep: every rank must call the
+    same graphs in the same order (its load module's LOCKSTEP_DEVICES), so a run whose ranks would diverge
+    (CFG groups deciding their own cached steps, an idle group) is refused before it starts."""
+    return device in getattr(loader(name), "LOCKSTEP_DEVICES", ())
+
+
 def load_graph(manifest: dict, path: Path, weights: list, device: str, rank: int = 0, world: int = 1):
     """A callable over one of the manifest's graphs' inputs; `weights` (its weight_inputs order) are appended."""
     return loader(manifest["backend"]["backend"]).load(Path(path), weights, device, rank=rank, world=world,

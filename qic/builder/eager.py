@@ -88,6 +88,7 @@ class EagerModel:
         self._graphs = {}
         self.defaults = {}
         self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
+        self.lockstep = False   # each rank runs its own graphs eagerly
 
     def check_resolution(self, height: int, width: int) -> None:
         refuse_unlisted(height, width, self.resolutions, "eager model")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from qic import __version__
-from qic.backends import load_graph, loader
+from qic.backends import load_graph, loader, lockstep
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import BundleError
 from qic.graph_names import graph_name
@@ -80,6 +80,7 @@ class Bundle:
         self.defaults = m.get("defaults", {})         # run defaults of the build config (steps, guidance)
         self.prompt = m.get("prompt")
         self.step_cache = m.get("step_cache")         # {first, last}: the split step graphs are in (or None)
+        self.lockstep = lockstep(m["backend"]["backend"], self.device)
         shards: dict[str, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple, Graph] = {}
         for g in m["graphs"]:

@@ -72,6 +72,10 @@ def validate(req: Request, bundle: Runnable) -> Request:
     if req.cache.active and not bundle.step_cache:
         raise ConfigError("step caching (cache_threshold / cache_steps) needs a bundle built with step_cache",
                           "rebuild with --step-cache 1,0 (diffusers' FirstBlockCache) or e.g. 8,0 (cache-dit's)")
+    if req.cache.active and req.cache.steps is None and bundle.lockstep and bundle.layout.cfg > 1:
+        raise ConfigError("step caching by threshold on a CFG-parallel bundle cannot run on this device: it runs "
+                          "the ranks' graphs in lockstep, and each CFG group decides its own steps",
+                          "give --cache-steps (one mask for both groups), or run on the bundle's own device")
     if req.cache.steps is not None and req.cache.steps[-1] >= req.steps:
         raise ConfigError(f"cache_steps names step {req.cache.steps[-1]}, but the run has {req.steps} steps "
                           f"(0..{req.steps - 1})")
@@ -106,6 +110,17 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     batched = cfg or not bundle.has_graph("denoiser", res, bucket, cfg=False, batch=n)
     if cfg and not bundle.has_graph("denoiser", res, bucket, cfg=True, batch=n):
         raise _no_cfg_graph(first.guidance)
+    # CFG-parallel without CFG (the no-CFG graph: one prediction a step, no second branch to compute): the two
+    # CFG groups take halves of the batch (an image's pixels do not depend on its batch), or with one image (or
+    # no graph of the halves' sizes) group 1 idles and takes group 0's latents after the loop.
+    share = bundle.layout.cfg > 1 and not batched
+    bounds = share_of(bundle, res, bucket, n, first.cache.active) if share else [(0, n)]
+    idler = share and bounds[1][0] == bounds[1][1]      # CFG group 1 has nothing to denoise
+    if idler and bundle.lockstep:   # every rank decides this alike: all refuse, none waits
+        raise ConfigError(f"guidance <= 1 with {n} image(s) on this CFG-parallel bundle idles CFG group 1, which "
+                          "this device cannot do: it runs the ranks' graphs in lockstep",
+                          "give guidance > 1, a batch of two or more (with --batch-sizes' graphs), or run on the "
+                          "bundle's own device")
     times["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -133,13 +148,7 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     schedule = flow_match_schedule(bundle.scheduler, first.steps, noise.shape[1])
     scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
     guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
-    # CFG-parallel without CFG (the no-CFG graph: one prediction a step, no second branch to compute): the two
-    # CFG groups take halves of the batch (an image's pixels do not depend on its batch), or with one image (or
-    # no graph of the halves' sizes) group 1 idles and takes group 0's latents after the loop.
-    share = bundle.layout.cfg > 1 and not batched
-    bounds = share_of(bundle, res, bucket, n, first.cache.active) if share else [(0, n)]
     lo, hi = bounds[bundle.coords["cfg"]] if share else bounds[0]
-    idler = share and bounds[1][0] == bounds[1][1]      # CFG group 1 has nothing to denoise
     x, rows_state = noise[lo:hi], None
     if hi == lo:
         t = time.perf_counter()

@@ -45,6 +45,7 @@ class Runnable(Protocol):
     scheduler: dict                      # the flow-matching scheduler's config
     tokenizer: Tokenizer
     step_cache: dict | None              # {first, last}: the split step graphs are in (None: not)
+    lockstep: bool                       # its ranks must call the same graphs in the same order (qic.backends)
 
     def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
               part: str | None = None, rows: int | None = None) -> GraphFn: ...

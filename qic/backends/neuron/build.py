@@ -121,15 +121,9 @@ class NeuronBackend(Backend):
         lowered, gdef, tensors, ranks, groups = traced.payload
         compiled = self.write(lowered, traced.weight_names, [n for n, _ in gdef.inputs], out_dir)
         checks = {"xla_cpu_rel_l2": None, "tp": ranks}
-        narrow = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()
-                         if t.is_floating_point() and t.dtype != torch.float32})
-        if not self.xla_check:
-            checks["xla_cpu_check"] = "not run (xla_check: false)"
-        elif ranks > 1 and narrow:
-            # XLA:CPU's collectives take no bf16 ("AllReduce for datatype 'bf16' is not supported", torch-xla
-            # 2.9; inside a While it crashed the process): such a graph is lowered, not executed here.
-            checks["xla_cpu_check"] = (f"not run: {ranks}-rank {'/'.join(narrow)} graph (XLA:CPU has no "
-                                       f"{'/'.join(narrow)} collectives)")
+        skipped = check_skipped(self.xla_check, ranks, tensors)
+        if skipped:
+            checks["xla_cpu_check"] = skipped
         else:
             result = self.check(lowered, gdef.module, gdef.inputs, tensors, groups, ranks, sample=gdef.sample)
             if not result.pop("ok"):
@@ -304,6 +298,19 @@ def rank_sample(sample: list, groups: dict | None, rank: int) -> list:
             t = torch.tensor([group.index(rank)], dtype=t.dtype)
         out.append((name, t))
     return out
+
+
+def check_skipped(xla_check: bool, ranks: int, tensors: dict) -> str | None:
+    """Why a graph is not executed on XLA:CPU at build (its manifest's xla_cpu_check), or None: it is."""
+    narrow = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()
+                     if t.is_floating_point() and t.dtype != torch.float32})
+    if not xla_check:
+        return "not run (xla_check: false)"
+    if ranks > 1 and narrow:
+        # XLA:CPU's collectives take no bf16 ("AllReduce for datatype 'bf16' is not supported", torch-xla 2.9;
+        # inside a While it crashed the process): such a graph is lowered, not executed here.
+        return f"not run: {ranks}-rank {'/'.join(narrow)} graph (XLA:CPU has no {'/'.join(narrow)} collectives)"
+    return None
 
 
 def checked_summary(artifacts: list) -> str:

@@ -17,6 +17,10 @@ import torch
 from qic.backends.neuron import NEFF_FILE, PARAMS_FILE, RUN_DEVICES
 from qic.errors import BundleError
 
+# On XLA:CPU rank 0 runs every rank's graph as one program on its devices (xla_runtime.py): the ranks must call
+# the same graphs in the same order (qic.backends.lockstep).
+LOCKSTEP_DEVICES = ("xla-cpu",)
+
 
 def check(bundle: Path, manifest: dict, device: str) -> None:
     """Nothing to refuse before loading: a NEFF's fitness is the runtime's to judge (load says why not)."""
