@@ -193,9 +193,11 @@ def q21_bundle(shared_dir, cache_dir, q21_ckpt) -> Path:
 
 
 @pytest.fixture(scope="session")
-def q21_bundle_tp2(q21_bundle, shared_dir, cache_dir, q21_ckpt) -> Path:
-    """The same at --tp 2: the text encoder and the denoiser sharded; the VAE decoder's graph is the TP 1 one's."""
-    return _q21_build(shared_dir, cache_dir, q21_ckpt, "bundle-q21-tp2", "--tp", 2)
+def q21_bundle_tp2(shared_dir, cache_dir, q21_ckpt) -> Path:
+    """The same at --tp 2 (the text encoder and the denoiser sharded), built with the export back end: its tests are
+    of the ranks (their K/V heads, the exchange, TP 2 = TP 1); 2.1's compiled graphs are q21_bundle's, compiled TP
+    is bundle_tp2's (tests/test_tp.py), and 2.1 at TP 2 is lowered in tests/test_neuron_xla_q21.py."""
+    return _q21_build(shared_dir, cache_dir, q21_ckpt, "bundle-q21-tp2", "--tp", 2, "--backend", "export")
 
 
 @pytest.fixture(scope="session")

@@ -163,3 +163,46 @@ def test_server_batches_two_concurrent_requests_like_qic_run(bundle_batch2, tmp_
         worst, mean = image_diff(a, b)
         assert worst <= LEVEL and mean <= MEAN, (worst, mean)
     assert np.abs(pixels(Image.open(io.BytesIO(served[0]))) - pixels(Image.open(io.BytesIO(written[1])))).max() > 10
+
+
+def _cfgp_batch_rank(rank: int, world: int, path: str, prompts: list, seeds: list):
+    """Rank `rank` of a CFG-parallel bundle: a batch of guidance-1 requests, its images and whether it idled."""
+    from qic.runtime.bundle import Bundle
+    from qic.runtime.generate import Request, generate_batch
+    bundle = Bundle(path, rank=rank, world=world)
+    h, w = TINY_RES
+    results = generate_batch(bundle, [Request(p, steps=4, seed=s, guidance=1.0, height=h, width=w)
+                                      for p, s in zip(prompts, seeds)])
+    return [pixels(r.image) for r in results], ["idle" in r.timings for r in results]
+
+
+@pytest.mark.slow
+def test_cfg_parallel_without_cfg_splits_a_batch_between_the_groups(tiny_ckpt, tmp_path):
+    """Guidance 1 on a CFG-parallel bundle with the no-CFG graph and batch sizes 1, 2, without step caching: CFG group
+    0 denoises the first image and group 1 the second (neither idles), through a built bundle and its loaded graphs
+    (the eager runs of this split are tests/test_parallel_layouts.py's and, cached, test_step_cache_layouts.py's).
+    Built with the export back end: the compiled CFG-parallel graphs are tests/test_compiled_layouts.py's. Each
+    image is the one the eager TP 1 stand-in draws for its request alone: fp32 reordering only (tests/helpers.py)."""
+    from qic.builder.eager import EagerModel
+    from qic.parallel.tp import spawn
+    from qic.runtime.generate import Request, generate
+    from tests.helpers import MAX_PIXEL, MEAN_PIXEL
+    out, config = tmp_path / "cfgp", tmp_path / "cfgp.yaml"
+    config.write_text(json.dumps({"model": str(tiny_ckpt), "backend": "export", "cfg_parallel": True,
+                                  "cfg": [True, False], "resolutions": ["{}x{}".format(*TINY_RES)],
+                                  "text_buckets": [128], "batch_sizes": [1, 2], "cache_dir": str(tmp_path / "cache"),
+                                  "output": str(out)}))
+    qic("build", config)
+    prompts, seeds = ["a red bicycle", "a blue sphere"], [3, 4]
+    ranks = spawn(_cfgp_batch_rank, 2, str(out), prompts, seeds, timeout=600)
+    eager = EagerModel(tiny_ckpt, [TINY_RES], [128])
+    h, w = TINY_RES
+    alone = [pixels(generate(eager, Request(p, steps=4, seed=s, guidance=1.0, height=h, width=w)).image)
+             for p, s in zip(prompts, seeds)]
+    for images, idled in ranks:
+        assert not any(idled), "a CFG group idled with half a batch to denoise"
+        for got, want in zip(images, alone):
+            worst, mean = image_diff(got, want)
+            print(f"CFG-parallel batch split vs alone: max {worst:.0f}/255, mean {mean:.4f}")
+            assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
+    assert image_diff(ranks[0][0][0], ranks[0][0][1])[0] > 10 * MAX_PIXEL   # two images, not one twice

@@ -140,14 +140,15 @@ def _kill_when(proc: subprocess.Popen, condition, timeout=120):
 @pytest.mark.slow
 def test_sigkill_while_sharding_then_rerun(tmp_path, tiny_ckpt):
     cache, out = tmp_path / "cache", tmp_path / "bundle"
-    args = ("--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,")
+    # The export back end: the subject is the shard stage's staging, and its private cache would compile again.
+    args = ("--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,", "--backend", "export")
     env = {**os.environ, "FAULTY_SHARD_DELAY": "0.05"}
     proc = subprocess.Popen([*FAULTY_QIC, *_build_cmd(tiny_ckpt, cache, out, *args)[len(QIC):]], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(proc, lambda: any((cache / "shards").glob(".tmp-*/rank0.safetensors")))
     assert not out.exists()
     assert not [p for p in (cache / "shards").iterdir() if not p.name.startswith(".tmp-")]  # no entry committed
-    # Rerun shares the compile cache of the session so only the shards are redone.
+    # The rerun redoes the shards the killed build left unfinished.
     proc = qic("build", "--model", tiny_ckpt, "--cache-dir", cache, "--output", out, *args,
                "--components", "text_encoder")
     m = read_manifest(out)

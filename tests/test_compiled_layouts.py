@@ -2,7 +2,9 @@
 
 Each world-4 bundle (TP 2 x CFG-parallel 2, TP 2 x Ulysses 2, Ulysses 2 x CFG-parallel 2) is built by `qic build`;
 the two with TP inside are run three ways: `qic run` (which starts the four ranks), torchrun (one process per rank)
-and `qic serve`, and the two built with `--step-cache 1,0` run step-cached against diffusers' FirstBlockCache.
+and `qic serve`; the third is run by `qic run`; TP 2 x CFG-parallel 2 built with `--step-cache 1,0`, and Ulysses 2 x
+CFG-parallel 2 so built with the export back end (the decisions are the host program's), run step-cached against
+diffusers' FirstBlockCache.
 
 Bounds: a layout changes only how the fp32 sums are split between ranks (TP's partial matmuls, Ulysses' head
 split, CFG-parallel's gathered rows), so against the TP 1 bundle an image may move by fp32 reordering only:
@@ -44,8 +46,14 @@ LAYOUTS = {   # name: (flags, manifest layout, the step graph's last inputs, bui
     "tp2xcfg2": (("--tp", "2", "--cfg-parallel"), {"tp": 2, "ulysses": 1, "cfg": 2, "world": 4}, ["cfg_rank"], True),
     "tp2xu2": (("--tp", "2", "--ulysses", "2"), {"tp": 2, "ulysses": 2, "cfg": 1, "world": 4}, ["sp_rank"], False),
     "u2xcfg2": (("--ulysses", "2", "--cfg-parallel"), {"tp": 1, "ulysses": 2, "cfg": 2, "world": 4},
-                ["cfg_rank", "sp_rank"], True),
+                ["cfg_rank", "sp_rank"], False),
 }
+# Ulysses 2 x CFG-parallel 2 step-cached, built with the export back end: its test is of the decisions (each CFG
+# group's own, a Ulysses group's figure summed over its tokens); compiled split graphs under CFG-parallel are
+# tp2xcfg2's, and the compiled U2 x CFG2 step graph is the plain u2xcfg2 bundle's.
+EXPORT = "@export"
+LAYOUTS["u2xcfg2" + EXPORT] = (LAYOUTS["u2xcfg2"][0] + ("--backend", "export"), *LAYOUTS["u2xcfg2"][1:3], True)
+INSPECT["u2xcfg2" + EXPORT] = INSPECT["u2xcfg2"]
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -81,7 +89,7 @@ def _check_bundle(name, out) -> dict:
     assert [i["name"] for i in step["inputs"]][-len(last_inputs):] == last_inputs
     shown = " ".join(qic("inspect", out, env={"COLUMNS": "300"}).stdout.split())
     assert INSPECT[name] in shown and ("step caching: split graphs" in shown) == LAYOUTS[name][3], shown
-    for graph in manifest["graphs"]:
+    for graph in manifest["graphs"] if not name.endswith(EXPORT) else ():   # AOTInductor packages' buffers
         assert outputs_on_collective_buffers(out / graph["file"]) == [], graph["name"]
     return layout
 
@@ -130,8 +138,19 @@ def tiny_pipe(tiny_ckpt):
     return diffusers_pipe(tiny_ckpt)
 
 
+@pytest.mark.parametrize("layout_bundle", ["u2xcfg2"], indirect=True)
+def test_the_compiled_ulysses_x_cfg_parallel_bundle_draws_tp1s_image(layout_bundle, tp1_image, tmp_path):
+    """The U2 x CFG2 step graph compiled (its step caching is checked on an export build below)."""
+    name, out = layout_bundle
+    _check_bundle(name, out)
+    qic("run", out, *_run_args(), "--output", tmp_path / "run.png")
+    worst, mean = image_diff(Image.open(tmp_path / "run.png"), tp1_image)
+    print(f"{name} vs TP 1: max {worst:.0f}/255, mean {mean:.4f} levels")
+    assert worst <= 1 and mean <= MEAN_PIXEL, (mean, worst)
+
+
 # Each step-cached layout at one of the two thresholds (each caches some steps of each branch, and they differ).
-@pytest.mark.parametrize("layout_bundle,threshold", [("tp2xcfg2", 1.2), ("u2xcfg2", 1.1)],
+@pytest.mark.parametrize("layout_bundle,threshold", [("tp2xcfg2", 1.2), ("u2xcfg2" + EXPORT, 1.1)],
                          indirect=["layout_bundle"])
 def test_step_caching_on_a_compiled_layout_decides_as_first_block_cache(layout_bundle, tiny_pipe, tmp_path,
                                                                          threshold):

@@ -45,6 +45,7 @@ FAST_TEST_SECONDS = float(os.environ.get("QIC_FAST_TEST_SECONDS", "20"))
 def ceiling() -> float:
     return FAST_TEST_SECONDS * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
+
 _start = time.time()
 _counts = {"processes": 0, "pipelines": 0}
 _refused_log: Path | None = None   # the fast tier's record of refused compiles (tests/fakes/refusing_cxx writes it)
