@@ -17,7 +17,7 @@ from qic.builder.source import resolve_configs
 from qic.checkpoint.presets import preset
 from qic.cli import main
 from qic.models.qwen_image.components import COMPONENTS
-from qic.spec import parse_spec
+from qic.spec import parse_spec, with_changes
 from tests.conftest import BUCKETS, TINY_RES, qic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,11 +107,21 @@ def test_compile_estimate_from_cache_records(tmp_path):
         d = tmp_path / "graphs" / f"fake{i}"
         d.mkdir(parents=True)
         (d / "meta.json").write_text(json.dumps({"component": "denoiser", "compile_seconds": secs,
+                                                 "backend": {"backend": "inductor"},
                                                  "files": {"graph.pt2": {"bytes": 1000 * (i + 1)}}}))
+    # Another back end's record in the same cache is no record of this build's compile time.
+    (tmp_path / "graphs" / "fake-export").mkdir()
+    (tmp_path / "graphs" / "fake-export" / "meta.json").write_text(json.dumps({
+        "component": "denoiser", "compile_seconds": 0.5, "backend": {"backend": "export"},
+        "files": {"graph.pt2": {"bytes": 10}}}))
     plan = plan_memory(spec, configs, raw, tmp_path)
     by = {g.component: g for g in plan.graphs}
     assert by["denoiser"].compile_seconds == 20.0 and by["denoiser"].artifact_bytes == 2000
     assert by["text_encoder"].compile_seconds == DEFAULT_COMPILE_SECONDS and not by["text_encoder"].cached
+    # An export build plans by its own records, and without any by its back end's own assumption.
+    exported = plan_memory(with_changes(spec, backend="export"), configs, raw, tmp_path)
+    by = {g.component: g for g in exported.graphs}
+    assert by["denoiser"].compile_seconds == 0.5 and by["text_encoder"].compile_seconds == 1.0
     # Memoise the text encoder's graph as a build would (spec key -> graph key -> meta.json).
     from qic.builder.memplan import _spec_keys
     skey = _spec_keys(spec, configs, raw)["text_encoder@L128"]
