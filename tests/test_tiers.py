@@ -74,7 +74,7 @@ def test_the_fast_tier_fails_an_unmarked_compile_and_leaves_the_marked_out(inner
 def test_outside_the_fast_tier_nothing_is_refused(inner):
     result = inner(COMPILES, "-k", "compiles")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["suite cost: * s wall", "*graphs compiled: 0 *"])
+    result.stdout.fnmatch_lines(["suite cost: * s wall", "*graphs compiled: 0, *"])
 
 
 def test_the_fast_tier_fails_a_test_over_its_ceiling(inner):
@@ -84,10 +84,11 @@ def test_the_fast_tier_fails_a_test_over_its_ceiling(inner):
     assert inner(SLEEPS, "-m", "not slow", env={"QIC_FAST_TEST_SECONDS": "5"}).ret == 0
 
 
-def _entry(cache, key: str, seconds: float, adopted: bool = False, mtime: float | None = None):
+def _entry(cache, key: str, seconds: float, adopted: bool = False, mtime: float | None = None,
+           backend: str = "inductor"):
     d = cache / "graphs" / key
     d.mkdir(parents=True)
-    (d / "meta.json").write_text(json.dumps({"compile_seconds": seconds, "backend": {"backend": "inductor"}}))
+    (d / "meta.json").write_text(json.dumps({"compile_seconds": seconds, "backend": {"backend": backend}}))
     if adopted:
         (d / "origin.json").write_text("{}")
     (d / "done").write_text("")
@@ -101,6 +102,7 @@ def test_a_runs_graphs_are_the_cache_entries_it_finished_each_key_once():
     _entry(tmp_path / "a" / "cache", "k1", 20.0)
     _entry(tmp_path / "b" / "cache", "k1", 20.0)          # a copy of the same cache: one graph
     _entry(tmp_path / "b" / "cache", "k2", 15.5)
+    _entry(tmp_path / "b" / "cache", "k6", 0.5, backend="export")          # counted apart: a save, not a compile
     _entry(tmp_path / "c" / "cache", "k3", 30.0, adopted=True)                # pulled from a store, not compiled
     _entry(tmp_path / "d" / "cache", "k4", 30.0, mtime=start - 3600)          # from an earlier run
     (tmp_path / "bundle" / "graphs" / "denoiser").mkdir(parents=True)      # a bundle's graph folder: no entry
@@ -108,6 +110,6 @@ def test_a_runs_graphs_are_the_cache_entries_it_finished_each_key_once():
     (tmp_path / "fake" / "graphs" / "k5" / "meta.json").write_text("{}")
     (tmp_path / "fake" / "graphs" / "k5" / "done").write_text("")
     try:
-        assert compiled_graphs(tmp_path, start) == (2, 35.5)
+        assert compiled_graphs(tmp_path, start) == {"inductor": (2, 35.5), "export": (1, 0.5)}
     finally:
         shutil.rmtree(tmp_path)

@@ -162,11 +162,11 @@ def pytest_runtest_logreport(report):
                 f["pipelines"] += value["pipelines"]
 
 
-def compiled_graphs(root: Path, since: float) -> tuple[int, float]:
-    """(graphs compiled, their compile seconds): compile-cache entries under `root` finished since `since`, as
-    qic.builder.compile writes them (meta.json with the back end's identity and the compile time; tests' fake
-    entries lack them), adopted ones (origin.json) left out, each key once (a test that copies a cache holds it
-    twice)."""
+def compiled_graphs(root: Path, since: float) -> dict[str, tuple[int, float]]:
+    """back end -> (graphs compiled, their compile seconds): compile-cache entries under `root` finished since
+    `since`, as qic.builder.compile writes them (meta.json with the back end's identity and the compile time; tests'
+    fake entries lack them), adopted ones (origin.json) left out, each key once (a test that copies a cache holds it
+    twice). By back end, since an export entry takes a second and an inductor one a minute."""
     seen: dict = {}
     for done in root.rglob("graphs/*/done"):
         entry = done.parent
@@ -174,11 +174,14 @@ def compiled_graphs(root: Path, since: float) -> tuple[int, float]:
             continue
         try:
             meta = json.loads((entry / "meta.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict) and "backend" in meta and "compile_seconds" in meta:   # not a test's fake entry
-            seen[entry.name] = float(meta["compile_seconds"])
-    return len(seen), sum(seen.values())
+            seen[entry.name] = (str(meta["backend"]["backend"]), float(meta["compile_seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue   # not an entry qic wrote (a test's fake one)
+    out: dict = {}
+    for backend, seconds in seen.values():
+        n, total = out.get(backend, (0, 0.0))
+        out[backend] = (n + 1, total + seconds)
+    return out
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -191,7 +194,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for name, f in slowest:
         write(f"  {f['seconds']:7.1f} s  {name}  ({f['pipelines']} diffusers pipelines run, "
               f"{f['processes']} processes started)")
-    n, secs = compiled_graphs(Path(config._tmp_path_factory.getbasetemp()), _start)
-    write(f"  graphs compiled: {n} ({secs:.0f} s of compiling), diffusers pipelines run: "
+    graphs = compiled_graphs(Path(config._tmp_path_factory.getbasetemp()), _start)
+    by_backend = ", ".join(f"{n} {b} ({secs:.0f} s)" for b, (n, secs) in sorted(graphs.items())) or "0"
+    write(f"  graphs compiled: {by_backend}, diffusers pipelines run: "
           f"{sum(f['pipelines'] for f in _files.values())}, processes started: "
           f"{sum(f['processes'] for f in _files.values())}")
