@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests import zygote_client as zygote
+
 pytest_plugins = ["tests.tiers", "pytester"]   # the fast and slow tiers, what a run cost; pytester tests the tiers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,9 +29,13 @@ BUCKETS = (72, 128)      # the tiny tokenizer's template alone is 53 tokens
 
 
 def qic(*args, check=True, env=None, **kw) -> subprocess.CompletedProcess:
-    """Run the qic command as a user would; output captured as text."""
-    proc = subprocess.run([*QIC, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, **kw)
+    """Run the qic command as a user would, in a process of its own; output captured as text. Forked from the
+    session's zygote (tests/zygote.py: torch already imported) unless the run asks for what a fork cannot give."""
+    argv, full_env = [*QIC, *map(str, args)], {**os.environ, **(env or {})}
+    if set(kw) <= {"timeout"} and zygote.forkable(full_env):
+        proc = zygote.run(argv, full_env, ROOT, kw.get("timeout"))
+    else:
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=full_env, **kw)
     if check and proc.returncode != 0:
         raise AssertionError(f"qic {' '.join(map(str, args))} failed ({proc.returncode}):\n"
                              f"{proc.stdout}\n{proc.stderr}")
@@ -141,11 +147,14 @@ def bundle(shared_dir, cache_dir, tiny_ckpt) -> Path:
 
 
 @pytest.fixture(scope="session")
-def bundle_two_res(bundle, shared_dir, cache_dir, tiny_ckpt):
-    """The same build plus a second resolution: (bundle path, the build's stdout)."""
-    return _build(shared_dir, "bundle-two-res", "--model", tiny_ckpt, "--cache-dir", cache_dir,
-                  "--resolution", "{}x{}".format(*TINY_RES), "--resolution", "{}x{}".format(*SECOND_RES),
-                  "--text-buckets", ",".join(map(str, BUCKETS)))
+def bundle_two_res(shared_dir, cache_dir, tiny_ckpt):
+    """The session bundle's build with the export back end, then with a second resolution added: (that bundle's
+    path, the second build's stdout). Export (torch.export programs run by torch, nothing compiled): what its tests
+    check is the build's reuse and the host program at another size; each kind of graph is compiled in `bundle`."""
+    args = ["--model", tiny_ckpt, "--cache-dir", cache_dir, "--backend", "export", "--resolution",
+            "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS))]
+    _build(shared_dir, "bundle-one-res-export", *args)
+    return _build(shared_dir, "bundle-two-res", *args, "--resolution", "{}x{}".format(*SECOND_RES))
 
 
 @pytest.fixture(scope="session")

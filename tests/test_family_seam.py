@@ -35,7 +35,7 @@ _FILES = {
 from qic.family import Family
 
 FAMILY = Family(name="toy-painter", classes=("{CLASS}",), components="toy_family.components",
-                host="toy_family.host", backends=("inductor",))
+                host="toy_family.host", backends=("inductor", "export"))
 ''',
     # The eager module: one per-pixel linear map of noise channels to RGB, squashed to [-1, 1].
     "model.py": '''
@@ -166,8 +166,10 @@ def test_a_stand_in_family_plugs_in_by_its_folder_alone(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(_stand_in_family(tmp_path / "site")), str(ROOT)])}
     ckpt, weights = _checkpoint(tmp_path / "ckpt")
     out = tmp_path / "bundle"
+    # The export back end: the seam (a family found by its folder, its components built, its host program run)
+    # is what is under test, not the compile; the toy's graph is the eager map exactly.
     qic("build", "--model", ckpt, "--resolution", "{}x{}".format(*SIZE), "--cache-dir", tmp_path / "cache",
-        "--output", out, env=env)
+        "--output", out, "--backend", "export", env=env)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["family"] == {"name": "toy-painter", "host": "toy_family.host"}
     assert [g["name"] for g in manifest["graphs"]] == ["painter@{}x{}".format(*SIZE)]
@@ -186,7 +188,7 @@ print("MODULES", " ".join(sorted(m for m in sys.modules if m.startswith("toy_fam
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("MODULES ")[1].split() == ["toy_family", "toy_family.host"], proc.stdout
     image = np.asarray(Image.open(tmp_path / "toy.png").convert("RGB"), dtype=np.float64)
-    # The compiled graph is the eager map in fp32 up to summation order (~1e-7 relative), so a pixel may differ
+    # The exported graph is the eager map in fp32 up to summation order (~1e-7 relative), so a pixel may differ
     # from the eager one by one level, only where the value sits that close to a rounding boundary.
     assert np.abs(image - _expected(weights, 7)).max() <= 1
     # ... and that bound fails for the noise of another seed, or for the checkpoint's weights negated.
@@ -198,13 +200,13 @@ print("MODULES", " ".join(sorted(m for m in sys.modules if m.startswith("toy_fam
 
 
 def test_a_back_end_the_family_does_not_list_is_refused_before_any_work(tmp_path):
-    """The family record's `backends` (qic.family.Family; the toy lists inductor only): a neuron build is one line
+    """The family record's `backends` (qic.family.Family; the toy lists inductor and export): a neuron build is one line
     from the build's own check of the spec, before anything is sharded or lowered."""
     env = {"PYTHONPATH": os.pathsep.join([str(_stand_in_family(tmp_path / "site")), str(ROOT)])}
     ckpt, _ = _checkpoint(tmp_path / "ckpt")
     proc = qic("build", "--model", ckpt, "--resolution", "{}x{}".format(*SIZE), "--backend", "neuron",
                "--cache-dir", tmp_path / "cache", "--output", tmp_path / "out", check=False, env=env)
-    one_line_refusal(proc, "toy-painter family", "inductor back end, not neuron", "--backend inductor")
+    one_line_refusal(proc, "toy-painter family", "inductor and export back ends, not neuron", "--backend inductor")
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 

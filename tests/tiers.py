@@ -51,6 +51,11 @@ _counts = {"processes": 0, "pipelines": 0}
 _refused_log: Path | None = None   # the fast tier's record of refused compiles (tests/fakes/refusing_cxx writes it)
 
 
+def count_process() -> None:
+    """A process started some other way than subprocess or spawn (tests/zygote_client.py's forks)."""
+    _counts["processes"] += 1
+
+
 def fast_tier(config) -> bool:
     return "not slow" in (config.getoption("markexpr") or "")
 

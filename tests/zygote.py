@@ -1,0 +1,81 @@
+"""A started Python that has imported torch and forks `python -m qic.cli ARGS` runs for the tests (test-only).
+
+Why: a `qic` process spends about 1.3 s of CPU starting the interpreter and importing torch before it does
+anything, and the suite runs a few hundred of them on two cores. The zygote pays that once per pytest process:
+each run is a fork of it, so a test still gets a process of its own, with its own arguments, environment,
+working directory, standard streams, exit status and interpreter shutdown, as `subprocess.run` gives it.
+
+What the fork shares with the zygote is only what `import torch` (and numpy, PIL, safetensors) did, so
+nothing read at those imports may differ per run: tests.conftest.qic falls back to a plain subprocess when a run's
+environment changes a variable they read (PYTHON*, OMP_*, MKL_*, KMP_*, TORCH_*, LD_*). The zygote never runs a
+torch operator, so no OpenMP thread pool exists to be broken by the fork.
+
+Protocol (one Unix-socket connection a run): the client sends one JSON line {argv, env, cwd, stdout, stderr}
+(the last two: files the run writes its streams to); the zygote forks a runner for the connection, which forks
+the run and answers two lines, the run's pid and then its exit status as subprocess reports it (-N: signal N).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch")
+# Environment variables read while those modules import (or at interpreter start): a run that changes one of
+# these is not a fork of this zygote.
+IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "LD_", "GOMP_")
+
+
+def _run(request: dict) -> None:
+    """In the forked run: become `python -m qic.cli ARGV` and exit as it would. Never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    import runpy
+    sys.argv = ["-m", *request["argv"]]   # runpy puts the module's path in argv[0], as `python -m` does
+    sys.path[0] = os.getcwd()             # `python -m` puts the working directory first
+    runpy.run_module("qic.cli", run_name="__main__", alter_sys=True)
+    raise SystemExit(0)   # the CLI returned: exit through the interpreter's shutdown, as `python -m` does
+
+
+def _runner(conn: socket.socket) -> None:
+    """In the forked runner of one connection: fork the run, report its pid and its exit status."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    request = json.loads(conn.makefile("r").readline())
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _run(request)
+    conn.sendall(f"{pid}\n".encode())
+    _, status = os.waitpid(pid, 0)
+    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    conn.close()
+    os._exit(0)
+
+
+def serve(path: str) -> None:
+    for name in PRELOAD:
+        __import__(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # runners are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        if os.fork() == 0:
+            server.close()
+            _runner(conn)
+        conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
