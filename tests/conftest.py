@@ -32,7 +32,7 @@ def qic(*args, check=True, env=None, **kw) -> subprocess.CompletedProcess:
     """Run the qic command as a user would, in a process of its own; output captured as text. Forked from the
     session's zygote (tests/zygote.py: torch already imported) unless the run asks for what a fork cannot give."""
     argv, full_env = [*QIC, *map(str, args)], {**os.environ, **(env or {})}
-    if set(kw) <= {"timeout"} and zygote.forkable(full_env):
+    if zygote.forkable(argv, env, **kw):
         proc = zygote.run(argv, full_env, ROOT, kw.get("timeout"))
     else:
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=full_env, **kw)

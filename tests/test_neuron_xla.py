@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests import zygote_client as zygote
 from tests.conftest import BUCKETS, ROOT, SHORT_PROMPT, TINY_RES, image_diff, qic
 from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 
@@ -33,8 +34,12 @@ def xla(*args, env=None, check=True, timeout=900) -> subprocess.CompletedProcess
     """Run `python ARGS` in the lowering environment (its own torch 2.9 + torch-xla 2.9)."""
     if not XLA_PYTHON.is_file():
         pytest.fail(f"{XLA_PYTHON} is missing: `make test` creates it (`make xla-env`)")
-    proc = subprocess.run([str(XLA_PYTHON), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout)
+    argv, overrides = [str(XLA_PYTHON), *map(str, args)], {"PYTHONPATH": str(ROOT), **(env or {})}
+    if zygote.forkable(argv, overrides, timeout=timeout):   # a fork of a zygote of that python (tests/zygote.py)
+        proc = zygote.run(argv, {**os.environ, **overrides}, ROOT, timeout)
+    else:
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **overrides},
+                              timeout=timeout)
     if check and proc.returncode != 0:
         command = " ".join(map(str, args))
         raise AssertionError(f"{command} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")

@@ -1,16 +1,18 @@
-"""A started Python that has imported torch and forks `python -m qic.cli ARGS` runs for the tests (test-only).
+"""A started Python that has imported torch and forks `python -m MODULE ARGS` runs for the tests (test-only).
 
 Why: a `qic` process spends about 1.3 s of CPU starting the interpreter and importing torch before it does
-anything, and the suite runs a few hundred of them on two cores. The zygote pays that once per pytest process:
-each run is a fork of it, so a test still gets a process of its own, with its own arguments, environment,
-working directory, standard streams, exit status and interpreter shutdown, as `subprocess.run` gives it.
+anything, and the suite runs a few hundred of them on two cores. A zygote pays that once per pytest process and
+interpreter (the lowering environment's python has one of its own): each run is a fork of it, so a test still
+gets a process of its own, with its own arguments, environment, working directory, standard streams, exit status
+and interpreter shutdown, as `subprocess.run` gives it.
 
-What the fork shares with the zygote is only what `import torch` (and numpy, PIL, safetensors) did, so
-nothing read at those imports may differ per run: tests.conftest.qic falls back to a plain subprocess when a run's
-environment changes a variable they read (PYTHON*, OMP_*, MKL_*, KMP_*, TORCH_*, LD_*). The zygote never runs a
-torch operator, so no OpenMP thread pool exists to be broken by the fork.
+What the fork shares with the zygote is only what `import torch` (and numpy, PIL, safetensors) did, so nothing
+read at those imports may differ per run: a zygote is started per import-time environment (PYTHONPATH, OMP_*,
+MKL_*, KMP_*, TORCH_*, LD_*: tests/zygote_client.py keys them), and a run asking for an interpreter option
+(PYTHONPROFILEIMPORTTIME and the like) is a plain subprocess. The zygote never runs a torch operator, so no
+OpenMP thread pool exists to be broken by the fork.
 
-Protocol (one Unix-socket connection a run): the client sends one JSON line {argv, env, cwd, stdout, stderr}
+Protocol (one Unix-socket connection a run): the client sends one JSON line {module, args, env, cwd, stdout, stderr}
 (the last two: files the run writes its streams to); the zygote forks a runner for the connection, which forks
 the run and answers two lines, the run's pid and then its exit status as subprocess reports it (-N: signal N).
 """
@@ -23,14 +25,14 @@ import signal
 import socket
 import sys
 
-PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch")
-# Environment variables read while those modules import (or at interpreter start): a run that changes one of
-# these is not a fork of this zygote.
+PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch")   # those an environment lacks are skipped
+# Environment variables read while those modules import (or at interpreter start): a zygote serves runs whose
+# values of these are its own.
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "LD_", "GOMP_")
 
 
 def _run(request: dict) -> None:
-    """In the forked run: become `python -m qic.cli ARGV` and exit as it would. Never returns."""
+    """In the forked run: become `python -m MODULE ARGS` and exit as it would. Never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -40,9 +42,9 @@ def _run(request: dict) -> None:
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     import runpy
-    sys.argv = ["-m", *request["argv"]]   # runpy puts the module's path in argv[0], as `python -m` does
+    sys.argv = ["-m", *request["args"]]   # runpy puts the module's path in argv[0], as `python -m` does
     sys.path[0] = os.getcwd()             # `python -m` puts the working directory first
-    runpy.run_module("qic.cli", run_name="__main__", alter_sys=True)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     raise SystemExit(0)   # the CLI returned: exit through the interpreter's shutdown, as `python -m` does
 
 
@@ -63,7 +65,10 @@ def _runner(conn: socket.socket) -> None:
 
 def serve(path: str) -> None:
     for name in PRELOAD:
-        __import__(name)
+        try:
+            __import__(name)
+        except ImportError:
+            pass
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # runners are reaped by the kernel
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)

@@ -1,5 +1,6 @@
-"""The tests' side of tests/zygote.py: one zygote per pytest process, started on first use, and `run`, which
-gives what `subprocess.run(argv, capture_output=True, text=True)` gives for a `python -m qic.cli` argv."""
+"""The tests' side of tests/zygote.py: a zygote per pytest process, interpreter and import-time environment,
+started on first use, and `run`, which gives what `subprocess.run(argv, capture_output=True, text=True)` gives
+for a `python -m MODULE ARGS` argv."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -16,53 +16,57 @@ from pathlib import Path
 from tests.zygote import IMPORT_TIME_ENV
 
 _lock = threading.Lock()
-_state: dict = {}   # proc, path, env: the running zygote, its socket, the environment it imported under
+_zygotes: dict = {}   # (python, import-time environment) -> {proc, path, folder}
 
 
-def _import_time(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+def _import_time(env: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)))
 
 
-def _zygote() -> dict:
+def _zygote(python: str, env: dict) -> dict:
+    key = (python, _import_time(env))
     with _lock:
-        proc = _state.get("proc")
-        if proc is None or proc.poll() is not None:
+        z = _zygotes.get(key)
+        if z is None or z["proc"].poll() is not None:
             folder = Path(tempfile.mkdtemp(prefix="qic-zygote-"))
             path = str(folder / "socket")
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), path],
+            proc = subprocess.Popen([python, str(Path(__file__).with_name("zygote.py")), path], env=env,
                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
             if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"tests/zygote.py did not start (exit {proc.wait()})")
-            _state.update(proc=proc, path=path, folder=folder, env=_import_time(dict(os.environ)))
-            if not _state.get("registered"):
+                raise RuntimeError(f"tests/zygote.py did not start under {python} (exit {proc.wait()})")
+            if not _zygotes:
                 atexit.register(_stop)
-                _state["registered"] = True
-        return dict(_state)
+            z = _zygotes[key] = {"proc": proc, "path": path, "folder": folder}
+        return z
 
 
 def _stop() -> None:
-    proc = _state.get("proc")
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    for z in _zygotes.values():
+        if z["proc"].poll() is None:
+            z["proc"].kill()
+            z["proc"].wait()
 
 
-def forkable(env: dict) -> bool:
-    """A run under `env` can be a fork of the zygote: nothing read at its imports differs."""
-    return _import_time(env) == (_state["env"] if _state.get("proc") else _import_time(dict(os.environ)))
+def forkable(argv: list[str], overrides: dict | None = None, **kw) -> bool:
+    """`subprocess.run(argv, **kw)` with these environment overrides can be a fork of a zygote: `python -m MODULE
+    ...`, nothing asked of it but a timeout, no interpreter option in the environment but PYTHONPATH (a zygote is
+    started with it), and few zygotes of other import-time environments running."""
+    options = [k for k in overrides or {} if k.startswith("PYTHON") and k != "PYTHONPATH"]
+    return len(argv) >= 3 and argv[1] == "-m" and set(kw) <= {"timeout"} and not options and len(_zygotes) < 4
 
 
 def run(argv: list[str], env: dict, cwd, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """argv: [python, "-m", "qic.cli", ARGS...] (the args after the module are the run's)."""
+    """argv: [python, "-m", MODULE, ARGS...]; what subprocess.run(argv, capture_output=True, text=True, env=env,
+    cwd=cwd, timeout=timeout) returns, from a fork of the zygote of that python and environment."""
     from tests.tiers import count_process
-    state = _zygote()
+    z = _zygote(argv[0], env)
     count_process()
-    with tempfile.TemporaryDirectory(dir=state["folder"]) as tmp:
+    with tempfile.TemporaryDirectory(dir=z["folder"]) as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(state["path"])
-            conn.sendall((json.dumps({"argv": argv[3:], "env": env, "cwd": str(cwd), "stdout": str(out),
-                                      "stderr": str(err)}) + "\n").encode())
+            conn.connect(z["path"])
+            conn.sendall((json.dumps({"module": argv[2], "args": argv[3:], "env": env, "cwd": str(cwd),
+                                      "stdout": str(out), "stderr": str(err)}) + "\n").encode())
             replies = conn.makefile("r")
             pid = int(replies.readline())
             conn.settimeout(timeout)
