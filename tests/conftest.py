@@ -102,6 +102,12 @@ def cache_dir(shared_dir) -> Path:
     return shared_dir / "cache"
 
 
+@pytest.fixture(scope="session")
+def neuron_cache(shared_dir) -> Path:
+    """The session's neuron compile cache (lowered graphs and their XLA:CPU checks), both workers'."""
+    return shared_dir / "cache-neuron"
+
+
 def _checkpoint(shared_dir: Path, name: str, preset: str, **kw) -> Path:
     from qic.checkpoint.embedded import write_checkpoint
     return Path(made_once(shared_dir, name, lambda out: str(write_checkpoint(out, preset, **kw))))

@@ -51,9 +51,9 @@ def xla_qic(*args, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def neuron_bundle(workdir, tiny_ckpt) -> tuple[Path, subprocess.CompletedProcess]:
+def neuron_bundle(workdir, neuron_cache, tiny_ckpt) -> tuple[Path, subprocess.CompletedProcess]:
     out = workdir / "bundle-neuron"
-    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
                    "--output", out, "--resolution", "{}x{}".format(*TINY_RES),
                    "--text-buckets", ",".join(map(str, BUCKETS)))
     return out, proc
@@ -124,10 +124,10 @@ def _draws_like_inductor(neuron: Path, inductor: Path, workdir: Path, tag: str, 
 
 
 @pytest.fixture(scope="session")
-def neuron_bundle_tp2(workdir, tiny_ckpt) -> tuple[Path, subprocess.CompletedProcess]:
+def neuron_bundle_tp2(workdir, neuron_cache, tiny_ckpt) -> tuple[Path, subprocess.CompletedProcess]:
     """bundle_tp2's spec (TP 2, bucket 128) on the neuron back end; the VAE graph is neuron_bundle's."""
     out = workdir / "bundle-neuron-tp2"
-    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
                    "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--tp", "2")
     return out, proc
 
@@ -154,13 +154,14 @@ def test_tp2_neuron_bundle_runs_on_xla_cpu_like_the_inductor_tp2_bundle(neuron_b
     _draws_like_inductor(neuron_bundle_tp2[0], bundle_tp2, workdir, "tp2")
 
 
-def test_cfg_parallel_neuron_bundle_runs_on_xla_cpu_like_the_inductor_tp2_bundle(workdir, tiny_ckpt, bundle_tp2):
+def test_cfg_parallel_neuron_bundle_runs_on_xla_cpu_like_the_inductor_tp2_bundle(workdir, neuron_cache, tiny_ckpt,
+                                                                                  bundle_tp2):
     """A layout other than TP: CFG-parallel 2 (the step's cond and uncond rows on two ranks, an all-gather
     over the CFG axis), checked at build at both ranks, run on two XLA:CPU devices; every layout draws the
     TP 1 image, so the inductor TP 2 bundle's is the reference (the text encoder and VAE are TP 1 graphs,
     cache hits of neuron_bundle's)."""
     out = workdir / "bundle-neuron-cfg2"
-    xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+    xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
             "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--cfg-parallel")
     ranks = {g["name"]: g["checks"]["xla_cpu_ranks"] for g in _manifest(out)["graphs"]}
     assert ranks == {"text_encoder@L128": 1, "denoiser@48x80@L128": 2, "vae_decoder@48x80": 1}
@@ -188,9 +189,9 @@ def test_second_config_lowers_and_checks(workdir, tiny_alt_ckpt):
         assert 0 <= g["checks"]["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2, g
 
 
-def test_rebuild_lowers_nothing(neuron_bundle, workdir, tiny_ckpt):
+def test_rebuild_lowers_nothing(neuron_bundle, workdir, neuron_cache, tiny_ckpt):
     bundle, _ = neuron_bundle
-    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
                    "--output", bundle, "--resolution", "{}x{}".format(*TINY_RES),
                    "--text-buckets", ",".join(map(str, BUCKETS)))
     assert "100% hits" in proc.stdout and "bundle unchanged" in proc.stdout

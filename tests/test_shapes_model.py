@@ -113,25 +113,39 @@ def test_a_wrong_latent_scale_fails_the_meaning_check(shapes_ckpt):
     colours; the same pipeline with the right config draws the prompt. The inverted scale (1/std, the
     other classic slip) does not change what this robust little decoder draws, only how cleanly (artefacts
     at the edges): that one is pixel parity's to catch, and the test shows it moves the pixels well past
-    parity's bound while the meaning stays."""
+    parity's bound while the meaning stays. The scale is read only by the decode, so each prompt is denoised
+    once (output_type="latent") and decoded three ways by the pipeline's own decode steps."""
     import torch
     from diffusers import QwenImagePipeline
     pipe = QwenImagePipeline.from_pretrained(str(shapes_ckpt), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     prompts = [shapes.prompt_of(*t) for t in shapes.HELD_OUT[8:12]]
+    latents = [pipe(p, negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=STEPS, height=128,
+                    width=128, generator=torch.Generator().manual_seed(1), output_type="latent").images
+               for p in prompts]
 
-    def draw():
-        return [np.asarray(pipe(p, negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=STEPS,
-                                height=128, width=128, generator=torch.Generator().manual_seed(1)).images[0])
-                for p in prompts]
-    good = draw()
+    def decode(std: list[float]) -> list[np.ndarray]:
+        """The pipeline's decode (QwenImagePipeline.__call__ after the loop) with latents_std = `std`."""
+        z = pipe.vae.config.z_dim
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, z, 1, 1, 1)
+        out = []
+        for packed in latents:
+            x = pipe._unpack_latents(packed, 128, 128, pipe.vae_scale_factor)
+            x = x * torch.tensor(std).view(1, z, 1, 1, 1) + mean
+            with torch.no_grad():
+                image = pipe.vae.decode(x, return_dict=False)[0][:, :, 0]
+            out.append(np.asarray(pipe.image_processor.postprocess(image, output_type="pil")[0]))
+        return out
+    std = pipe.vae.config.latents_std
+    good = decode(std)
     right, wrong = _score(good, prompts)
     assert right >= 0.75, wrong
-    std = pipe.vae.config.latents_std
-    pipe.vae.register_to_config(latents_std=[s * 0.1 for s in std])
-    broken, _ = _score(draw(), prompts)
-    pipe.vae.register_to_config(latents_std=[1 / s for s in std])
-    inverted = draw()
+    # The pipeline's own image is the right-scale decode: the decode above is the pipeline's.
+    ref = np.asarray(pipe(prompts[0], negative_prompt=" ", true_cfg_scale=GUIDANCE, num_inference_steps=STEPS,
+                          height=128, width=128, generator=torch.Generator().manual_seed(1)).images[0])
+    assert image_diff(ref, good[0])[0] == 0
+    broken, _ = _score(decode([s * 0.1 for s in std]), prompts)
+    inverted = decode([1 / s for s in std])
     moved = np.mean([image_diff(a, b)[1] for a, b in zip(inverted, good)])
     print(f"right latent scale: {right:.2f}; x0.1: {broken:.2f}; inverted: {_score(inverted, prompts)[0]:.2f}, "
           f"mean pixel change {moved:.2f}/255")

@@ -369,12 +369,13 @@ def test_tp2_rank_killed_mid_loop_is_one_line_naming_it(fbc_bundle_tp2, tmp_path
     assert seconds < DEFAULT_TIMEOUT.total_seconds() + REPORT_GRACE_S
 
 
-def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_inductor(fbc_bundle, workdir, tiny_ckpt, tmp_path):
+def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_inductor(fbc_bundle, workdir, neuron_cache, tiny_ckpt,
+                                                                      tmp_path):
     """`qic build --backend neuron --step-cache 1,0`: every split graph lowered and checked on XLA:CPU at build
     time (the manifest's figures), then run with --device xla-cpu: the inductor bundle's decisions and image."""
     from tests.test_neuron_xla import XLA_CPU_REL_L2, xla_qic
     out = workdir / "bundle-neuron-step-cache"
-    xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", workdir / "cache-neuron",
+    xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
             "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--step-cache", "1,0")
     graphs = json.loads((out / "manifest.json").read_text())["graphs"]
     parts = [g for g in graphs if "@head" in g["name"] or "@mid" in g["name"] or "@tail" in g["name"]]
