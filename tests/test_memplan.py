@@ -52,6 +52,45 @@ def test_plan_prints_real_qwen_image_at_tp(tp, tmp_path):
     assert rows["vae_decoder"][2] == "1" and rows["vae_decoder"][4] == "1.000"
 
 
+REAL_21 = ROOT / "tests" / "fixtures" / "qwen-image-2.1-configs"   # the public Qwen/Qwen-Image-2.1 configs
+
+
+@pytest.mark.parametrize("tp, cfg_parallel", [(1, False), (2, False), (4, False), (2, True)])
+@pytest.mark.parametrize("res", [1024, 2048])
+def test_plan_of_the_real_qwen_image_21_holds_its_prefix_kv_cache(tp, cfg_parallel, res, tmp_path):
+    """The real 2.1 configs (the VAE's without latent statistics: diffusers' published defaults) plan at 1024 and
+    2048 px at TP 1, 2, 4, and CFG-parallel: the prefix K/V cache per rank is the decode graph's k and v inputs
+    (made by the graph maker itself, on meta) for each CFG branch the rank runs, and the run figure holds it."""
+    from qic import family
+    from qic.models.qwen_image_21.graphs import DECODE, denoiser_graph
+    from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser
+    flags = ["plan", "--model", str(REAL_21), "--tp", str(tp), "--resolution", f"{res}x{res}", "--text-buckets",
+             "256,", "--cache-dir", str(tmp_path)] + (["--cfg-parallel"] if cfg_parallel else [])
+    before = family.current()   # qic plan makes the planned family the build's (a global): restored below
+    try:
+        out = CliRunner().invoke(main, flags)
+    finally:
+        family.use(before)
+    assert out.exit_code == 0, out.output
+    spec = parse_spec({"model": str(REAL_21), "tp": tp, "resolutions": [f"{res}x{res}"], "text_buckets": [256],
+                       "cache_dir": str(tmp_path), "cfg_parallel": cfg_parallel})
+    family.use(spec.family)
+    try:
+        configs, raw = resolve_configs(spec.model, tmp_path)
+        plan = plan_memory(spec, configs, raw, tmp_path)
+    finally:
+        family.use(before)
+    with torch.device("meta"):
+        model = LoopedQwenImage21Denoiser(configs["denoiser"], tp_size=tp)
+    inputs = dict(denoiser_graph(model, configs["denoiser"], res, res, 256, DECODE, spec.dtype_of("denoiser")).inputs)
+    branch = sum(inputs[n].numel() * inputs[n].element_size() for n in ("k", "v"))
+    [(what, kv)] = plan.resident
+    assert kv == branch * (1 if cfg_parallel else 2) and "prefix K/V cache" in what, (what, kv)
+    assert f"resident between graph calls: {what}" in out.output
+    without = dataclasses.replace(plan, resident=[])
+    assert plan.run_peak_per_rank - without.run_peak_per_rank == kv
+
+
 def test_real_weight_bytes_match_the_published_sizes():
     """The configs' README: transformer about 20.4B parameters; the text encoder's language model (what
     qic loads; the vision tower is not read) about 7.1B of its 8.3B."""

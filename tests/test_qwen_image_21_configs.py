@@ -12,6 +12,7 @@ import torch
 from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+from qic.errors import ConfigError
 from qic.host.schedule import check_scheduler_config, compute_mu
 from qic.models.qwen_image_21.host import sampling as s
 from qic.models.qwen_image_21.vae import (
@@ -85,6 +86,19 @@ def test_vae_is_64_channels_16x_rgba_and_qic_holds_its_tensors():
     # everything the checkpoint holds is used but the temporal convs (unused on one frame)
     unused = set(sd) - set(enc.state_dict()) - set(dec.state_dict())
     assert unused and all(".time_conv." in k for k in unused)
+
+
+def test_vae_config_without_latent_statistics_takes_the_published_ones_as_diffusers_does():
+    """The published vae/config.json has no latents_mean / latents_std: diffusers' class then uses its defaults, and
+    qic reads the same numbers (a qic that refused, or normalised otherwise, could not build the real 2.1)."""
+    raw = load(REAL / "vae/config.json")
+    assert "latents_mean" not in raw and "latents_std" not in raw
+    with torch.device("meta"):
+        ref = AutoencoderKLQwenImage21.from_config(raw)
+    cfg = VAE21Config.from_dict(raw)
+    assert cfg.latents_mean == tuple(ref.config.latents_mean) and cfg.latents_std == tuple(ref.config.latents_std)
+    with pytest.raises(ConfigError, match="published statistics diffusers falls back to are for z_dim 64, not 16"):
+        VAE21Config.from_dict({**raw, "z_dim": 16})
 
 
 def test_scheduler_and_turbo():

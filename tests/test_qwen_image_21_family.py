@@ -158,3 +158,17 @@ def test_what_is_not_wired_yet_is_refused_in_one_line(ckpt, tmp_path, flags, nee
                "--output", tmp_path / "out", check=False)
     one_line_refusal(proc, "Qwen-Image-2.1", needle, "not yet")
     assert not (tmp_path / "out").exists()
+
+
+def test_run_options_the_host_program_does_not_take_are_refused_in_one_line(bundle, tmp_path):
+    """2.1's program takes no step-caching or aspect option: a flag or a prompts-file key naming one is refused
+    before anything loads, never dropped (the run would otherwise draw an image that ignored it)."""
+    proc = qic("run", bundle, "--prompt", PROMPT, "--cache-threshold", "0.1", "--output", tmp_path / "x.png",
+               check=False)
+    one_line_refusal(proc, "--cache-threshold: this bundle's host program (qic.models.qwen_image_21.host) takes no "
+                     "such option", "--negative-prompt")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n" + json.dumps({"prompt": PROMPT, "aspect": "1:1"}) + "\n")
+    proc = qic("run", bundle, "--prompts-file", prompts, "--output", tmp_path / "y.png", check=False)
+    one_line_refusal(proc, f"{prompts}, prompt 2: key 'aspect': this bundle's host program")
+    assert not list(tmp_path.glob("*.png"))

@@ -92,6 +92,9 @@ class MemoryPlan:
     layout: object = None
     # Per resolution (the longest text bucket, true CFG): one rank's FLOPs and collective bytes per step
     traffic: list = field(default_factory=list)
+    # What a family's host program keeps resident between graph calls, per rank: [(what, bytes)] (the family's
+    # components module's optional `resident_state(spec, configs)`; Qwen-Image-2.1's prefix K/V cache)
+    resident: list = field(default_factory=list)
 
     @property
     def shard_disk(self) -> int:
@@ -107,9 +110,9 @@ class MemoryPlan:
 
     @property
     def run_peak_per_rank(self) -> int:
-        """`qic run` keeps every component resident: all weights of a rank plus the largest graph's
-        inputs and activations."""
-        weights = sum(c.bytes_per_rank for c in self.components)
+        """`qic run` keeps every component resident: all weights of a rank, the host program's resident state, plus
+        the largest graph's inputs and activations."""
+        weights = sum(c.bytes_per_rank for c in self.components) + sum(n for _, n in self.resident)
         return weights + max((g.input_bytes + g.activation_peak for g in self.graphs), default=0)
 
 
@@ -327,6 +330,9 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
             gname, name, per_rank[name], inputs, largest, peak, flops,
             0.0 if cached else (statistics.median(secs) if secs else default_seconds), cached,
             int(statistics.median(sizes)) if sizes else DEFAULT_ARTIFACT_BYTES))
+    resident = getattr(family.components_module(), "resident_state", None)
+    if resident is not None:
+        plan.resident = list(resident(spec, configs))
     if "denoiser" in spec.components and True in spec.cfg:
         bucket = max(spec.text_buckets) or DROP_TOKENS + MAX_PROMPT_TOKENS
         plan.layout = spec.layout

@@ -54,7 +54,11 @@ def print_plan(plan, model: str, console: Console) -> None:
             step.add_row(f"{h}x{w}", str(bucket), f"{t['flops'] / 1e12:.3f}", size(t["all-reduce"]),
                          size(t["all-gather"]), size(t["all-to-all"]))
         console.print(step)
-    console.print(f"run: {size(plan.run_peak_per_rank)} per rank (every component resident + the largest graph); "
+    for what, n in plan.resident:
+        console.print(f"resident between graph calls: {what}: {size(n)} per rank")
+    held = " + the resident state above" if plan.resident else ""
+    console.print(f"run: {size(plan.run_peak_per_rank)} per rank (every component resident{held} + the largest "
+                  "graph); "
                   f"disk: {size(plan.shard_disk)} shards + {size(plan.artifact_disk)} compiled graphs in the cache, "
                   f"the bundle hard-links the shards and copies the graphs; {len(plan.graphs)} graphs, "
                   f"compile about {plan.compile_seconds / 60:.1f} min ({plan.compile_source})")

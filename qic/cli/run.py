@@ -10,6 +10,7 @@ from pathlib import Path
 from qic.errors import ConfigError
 from qic.host.cache_policy import computed_line
 from qic.host.options import BY_NAME, FLAG, LINE, given_at
+from qic.manifest import read_manifest
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
@@ -25,9 +26,13 @@ def run_cli(bundle_path: str, options: dict) -> None:
     modes = sum(bool(x) for x in (options.get("prompt"), options.get("prompts_file"), options.get("interactive")))
     if modes != 1:
         raise ConfigError("give exactly one of --prompt, --prompts-file, --interactive")
-    if options.get("prompts_file"):
-        _read_prompts(Path(options["prompts_file"]))
+    lines = _read_prompts(Path(options["prompts_file"])) if options.get("prompts_file") else [{}]
     ranks = bundle_world(bundle_path, options.get("tp"), "run")
+    program = program_of(read_manifest(Path(bundle_path)))
+    base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
+    _refuse_untaken(program, base, None)
+    for n, line in enumerate(lines, 1):
+        _refuse_untaken(program, line, f"{options.get('prompts_file')}, prompt {n}")
     world = torchrun_world()
     if world is not None:  # launched by torchrun: this process is one rank
         if options.get("interactive"):
@@ -76,6 +81,19 @@ def serve(bundle_path_or_rank, *args) -> None:
                 break
             _one(bundle, {**base, "prompt": prompt}, i, clock.take(), verbose, resident=True)
             i += 1
+
+
+def _refuse_untaken(program, opts: dict, line: str | None) -> None:
+    """An option the bundle's host program has no Request field for is one line naming it (a step-caching flag on
+    a Qwen-Image-2.1 bundle, say), never dropped. Options at their table default (negative prompt ' ', seed 0) are
+    what qic run passes when none is given; `output` is qic run's own."""
+    fields = program.Request.__dataclass_fields__
+    untaken = [k for k, v in opts.items() if k != "output" and k not in fields and v != BY_NAME[k].default]
+    if untaken:
+        where = f"{line}: key {untaken[0]!r}" if line else BY_NAME[untaken[0]].flag
+        takes = ", ".join(BY_NAME[k].flag for k in fields if k in BY_NAME and k != "prompt")
+        raise ConfigError(f"{where}: this bundle's host program ({program.__name__}) takes no such option",
+                          f"drop it; this bundle's runs take {takes}")
 
 
 class _LoadClock:

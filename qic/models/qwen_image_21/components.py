@@ -153,6 +153,25 @@ def manifest_fields(spec, ctx) -> dict:
     }
 
 
+def resident_state(spec, configs) -> list[tuple[str, int]]:
+    """What the host program keeps between graph calls on one rank (qic plan): the prefix K/V cache of the largest
+    (resolution, bucket) a request can use, [layers, 1, heads on this rank, bucket, head_dim] for K and for V, for
+    each CFG branch this rank runs (both, unless CFG-parallel gives each group one). The target's resolution does
+    not change it: the prefix is the text."""
+    from qic.dtypes import TORCH_DTYPES
+    if "denoiser" not in spec.components:
+        return []
+    c = configs["denoiser"]
+    heads = c.num_attention_heads // spec.tp
+    item = TORCH_DTYPES[spec.dtype_of("denoiser")].itemsize
+    per_branch = 2 * c.num_layers * heads * max(spec.text_buckets) * c.attention_head_dim * item
+    branches = 1 if spec.layout.cfg > 1 or True not in spec.cfg else 2
+    what = "prefix K/V cache (" + ("one CFG branch a group" if spec.layout.cfg > 1 else
+                                    f"{branches} CFG branch{'es' if branches > 1 else ''}") + \
+        f", text bucket {max(spec.text_buckets)})"
+    return [(what, branches * per_branch)]
+
+
 def _model_index(ctx) -> dict:
     import json
     return json.loads((ctx.ckpt.root / "model_index.json").read_text())

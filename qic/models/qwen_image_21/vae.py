@@ -45,6 +45,27 @@ _DEFAULTS = {  # AutoencoderKLQwenImage21's constructor defaults, for keys a con
     "out_channels": 4, "patch_size": None, "scale_factor_temporal": 8, "scale_factor_spatial": 16,
 }
 
+# The latent statistics diffusers' AutoencoderKLQwenImage21 uses when a config omits them (its __init__ defaults):
+# the published Qwen-Image-2.1 vae/config.json has no latents_mean / latents_std, so diffusers normalises the
+# latents with these, and so must qic to draw what the pipeline draws. For z_dim 64 only (their length).
+PUBLISHED_LATENTS_MEAN = (
+    0.5126, 0.7721, -0.0631, 1.3506, -0.7855, -2.1025, -0.3458, 1.3722, 1.8873, -1.7177,
+    -0.651, 0.2732, 0.7562, -0.6163, -1.0277, 3.8363, 2.021, 0.0472, 0.932, 2.0087,
+    2.4954, -0.1391, -1.4249, 1.8464, -0.5236, 1.2826, 3.7046, -1.3035, 2.7286, -1.4518,
+    -1.9036, -1.9955, -0.0342, -1.0265, -0.7636, 3.0555, 0.0746, -3.0751, -0.1076, 1.7376,
+    -1.0914, -1.9435, -0.2784, -1.368, 0.4809, -0.4433, 0.3764, 0.5729, -2.0595, 1.096,
+    -1.326, -2.0211, -5.0179, 0.5275, 4.0162, 1.8505, 0.3026, 1.9373, 1.4937, 0.2632,
+    0.5547, -1.7121, -0.1562, 0.0304,
+)
+PUBLISHED_LATENTS_STD = (
+    3.2001, 3.2936, 3.4321, 3.0091, 3.1061, 4.0379, 4.0705, 3.791, 3.0785, 3.65,
+    3.9308, 3.0904, 2.8778, 3.7675, 3.732, 5.0756, 3.2864, 4.0397, 3.1317, 4.0443,
+    2.9249, 3.9454, 3.0988, 4.2489, 3.4896, 3.8513, 3.9323, 3.4719, 3.7498, 4.283,
+    3.5694, 4.2467, 3.9037, 3.2947, 5.077, 3.5075, 3.27, 3.4767, 2.8063, 5.1125,
+    3.5327, 4.7833, 3.1286, 4.1819, 3.8527, 3.8312, 3.5605, 4.3875, 3.9624, 4.0168,
+    3.5643, 4.055, 5.5614, 4.2963, 4.408, 3.4959, 3.8747, 3.7608, 3.5735, 3.149,
+    3.7662, 3.6746, 3.4563, 3.8161,
+)
 
 @dataclass(frozen=True)
 class VAE21Config:
@@ -76,12 +97,18 @@ class VAE21Config:
     @classmethod
     def from_dict(cls, d: Mapping) -> "VAE21Config":
         check_config_keys(d, [f.name for f in fields(cls)], COMPONENT)
-        required = ("base_dim", "z_dim", "dim_mult", "num_res_blocks", "temperal_downsample", "latents_mean",
-                    "latents_std")
+        required = ("base_dim", "z_dim", "dim_mult", "num_res_blocks", "temperal_downsample")
         missing = [k for k in required if k not in d]
         if missing:
             raise ConfigError(f"{COMPONENT} config lacks required keys: {', '.join(missing)}")
         g = {**_DEFAULTS, **d}
+        for key, published in (("latents_mean", PUBLISHED_LATENTS_MEAN), ("latents_std", PUBLISHED_LATENTS_STD)):
+            if key not in d:   # as diffusers: its class defaults, the published statistics (z_dim 64)
+                if int(d["z_dim"]) != len(published):
+                    raise ConfigError(f"{COMPONENT} config has no {key}, and the published statistics diffusers "
+                                      f"falls back to are for z_dim {len(published)}, not {d['z_dim']}",
+                                      f"add {key} ({d['z_dim']} values) to vae/config.json")
+                g[key] = published
         cfg = cls(
             base_dim=int(g["base_dim"]),
             decoder_base_dim=None if g["decoder_base_dim"] is None else int(g["decoder_base_dim"]),
