@@ -152,6 +152,7 @@ def test_the_checkpoints_sample_sigmas_are_its_schedule(bundle, cache_dir, tmp_p
     (["--batch-sizes", "1,2"], "batch sizes"),
     (["--ulysses", "2"], "--ulysses 2 (exact under the block-causal mask"),
     (["--text-buckets", "0"], "exact-length text"),
+    (["--step-cache", "1,0"], "step caching"),
 ])
 def test_what_is_not_wired_yet_is_refused_in_one_line(ckpt, tmp_path, flags, needle):
     proc = qic("build", "--model", ckpt, "--resolution", "64x64", *flags, "--cache-dir", tmp_path / "cache",
@@ -172,3 +173,53 @@ def test_run_options_the_host_program_does_not_take_are_refused_in_one_line(bund
     proc = qic("run", bundle, "--prompts-file", prompts, "--output", tmp_path / "y.png", check=False)
     one_line_refusal(proc, f"{prompts}, prompt 2: key 'aspect': this bundle's host program")
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_lora_is_refused_in_one_line_before_any_work(ckpt, tmp_path):
+    """No 2.1 component merges LoRAs (yet): --lora is one line naming the family, nothing written."""
+    lora = tmp_path / "lora.safetensors"
+    from safetensors.torch import save_file
+    save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 96)}, str(lora))
+    proc = qic("build", "--model", ckpt, "--resolution", "64x64", "--lora", lora, "--cache-dir", tmp_path / "cache",
+               "--output", tmp_path / "out", check=False)
+    one_line_refusal(proc, "the qwen-image-2.1 family takes no LoRAs", "drop --lora")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_hub_id_build_fetches_the_processor_folder_and_warm_and_inspect_read_it(ckpt, tmp_path):
+    """`qic build --model ORG/NAME` of a 2.1 repo (served by a local STAND-IN of the Hub's HTTP API,
+    tests/hub_standin.py) fetches what the family reads, processor/ (its tokenizer) included, by the family its
+    model_index.json names; `qic warm` of a 2.1 matrix by hub id plans from configs and the processor alone; `qic
+    inspect` describes the bundle. Export back end: what is tested is the fetch, not the compile."""
+    from tests.hub_standin import HubStandIn
+    hub = HubStandIn("qic-test/qwen-image-2.1-tiny")
+    hub.files.update({p.relative_to(ckpt).as_posix(): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()})
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf-home"),
+           "HF_HUB_OFFLINE": "0", "HF_TOKEN": "stand-in-token"}
+    try:
+        out = tmp_path / "bundle"
+        qic("build", "--model", hub.repo_id, "--backend", "export", "--resolution", "{}x{}".format(*SIZE),
+            "--text-buckets", BUCKET, "--cache-dir", tmp_path / "cache", "--output", out, env=env)
+        matrix = tmp_path / "matrix.yaml"
+        matrix.write_text(f"model: [{hub.repo_id}]\nbackend: export\nresolutions: ['{SIZE[0]}x{SIZE[1]}']\n"
+                          f"text_buckets: [{BUCKET}]\n")
+        warm = qic("warm", matrix, "--cache-dir", tmp_path / "warm-cache", "--dry-run", env=env)
+    finally:
+        hub.close()
+    snapshot = next((tmp_path / "hf-home").rglob("snapshots/*/model_index.json")).parent
+    assert (snapshot / "processor" / "vocab.json").is_file() and not (snapshot / "tokenizer").exists()
+    assert (out / "tokenizer" / "vocab.json").is_file()
+    assert "4 misses" in warm.stdout, warm.stdout   # text encoder, prefill, decode, VAE decoder
+    shown = qic("inspect", out, env={"COLUMNS": "300"}).stdout
+    assert "family qwen-image-2.1, host program qic.models.qwen_image_21.host" in shown, shown
+    assert all(g in shown for g in ("text_encoder@L64", "denoiser@64x64@L64@prefill", "denoiser@64x64@L64@decode",
+                                    "vae_decoder@64x64")), shown
+    # The bundle draws what the local directory's export bundle draws: the same files, fetched.
+    from qic.models.qwen_image_21.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    local = tmp_path / "local"
+    qic("build", "--model", ckpt, "--backend", "export", "--resolution", "{}x{}".format(*SIZE), "--text-buckets",
+        BUCKET, "--cache-dir", tmp_path / "cache", "--output", local)
+    a, b = (generate(Bundle(x), Request(PROMPT, seed=SEED, steps=STEPS)).image for x in (out, local))
+    assert image_diff(a, b)[0] == 0

@@ -12,11 +12,6 @@ from qic.checkpoint.model_index import EMBEDDED_PREFIX, is_hub_id, local_model_i
 from qic.checkpoint.reader import Checkpoint
 from qic.errors import CheckpointError
 
-# Files a build needs from a hub repo; the vision tower lives in the text encoder shards and is simply not read.
-_HUB_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "text_encoder/*", "transformer/*", "vae/*"]
-# What compiling needs (`qic warm`): configs and the tokenizer, not the weights.
-_HUB_CONFIG_PATTERNS = ["model_index.json", "scheduler/*", "tokenizer/*", "*/config.json"]
-
 
 def resolve_model(model: str | None, cache_dir: Path, configs_only: bool = False) -> Checkpoint:
     """None -> the default embedded checkpoint (the trained `shapes`, written once into the cache); an
@@ -30,7 +25,31 @@ def resolve_model(model: str | None, cache_dir: Path, configs_only: bool = False
     if not is_hub_id(model):
         path = Path(model).expanduser()
         return Checkpoint(path, model_id=str(path.resolve()))
-    return Checkpoint(_from_hub(model, _HUB_CONFIG_PATTERNS if configs_only else _HUB_PATTERNS), model_id=model)
+    return Checkpoint(_from_hub(model, hub_patterns(model, configs_only)), model_id=model)
+
+
+def hub_patterns(repo_id: str, configs_only: bool = False) -> list[str]:
+    """The files a build needs from a hub repo, by its family (read from its model_index.json, fetched first):
+    the scheduler, the family's tokenizer folder (Qwen-Image's tokenizer/, 2.1's processor/) and each component's
+    folder (configs_only, what `qic warm` compiles from: their config.json files, not the weights). Qwen-Image's
+    vision tower lives in the text encoder's shards and is simply not read."""
+    fam = family.of_model_index(_from_hub(repo_id, ["model_index.json"]) / "model_index.json")
+    folders = dict.fromkeys(family.folders(fam))
+    parts = [f"{f}/config.json" for f in folders] if configs_only else [f"{f}/*" for f in folders]
+    return ["model_index.json", "scheduler/*", f"{fam.tokenizer}/*", *parts]
+
+
+def fetch_model_indexes(models) -> bool:
+    """Fetch the model_index.json of each hub id not in the local hub cache yet; True when one was fetched. A spec
+    is parsed without a download, so the family of a repo fetched for the first time is the default's guess
+    (qic.spec.model_family): `qic build`, `plan` and `warm` call this first and parse their specs again when it
+    fetched, so that one command builds a repo of any family."""
+    fetched = False
+    for model in dict.fromkeys(models):
+        if isinstance(model, str) and is_hub_id(model) and local_model_index(model) is None:
+            _from_hub(model, ["model_index.json"])
+            fetched = True
+    return fetched
 
 
 def embedded_preset(model: str | None) -> str:
@@ -43,7 +62,7 @@ def display_name(model: str | None) -> str:
     return model or f"{EMBEDDED_PREFIX}{embedded_preset(None)}"
 
 
-def _from_hub(repo_id: str, patterns: list[str] = _HUB_PATTERNS) -> Path:
+def _from_hub(repo_id: str, patterns: list[str]) -> Path:
     """Resolve through huggingface-hub; HF_HUB_OFFLINE=1 uses only the local hub cache."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

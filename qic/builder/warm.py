@@ -25,7 +25,7 @@ from qic.backends import NAMES, backend_for, info
 from qic.builder.binding import compile_job
 from qic.builder.context import Context, validate
 from qic.builder.jobs import plan_jobs
-from qic.builder.source import display_name
+from qic.builder.source import display_name, fetch_model_indexes
 from qic.cache import layout, store
 from qic.cache.signing import load_private_key
 from qic.errors import ConfigError, QicError, warn
@@ -162,7 +162,10 @@ def _cached(pj: PlannedJob) -> bool:
 def warm_shard(matrix: str, overrides: dict | None, index: int, count: int, dry_run: bool = False,
                sign_key: str | None = None) -> tuple[int, list[WarmRow]]:
     """(jobs in the whole matrix, rows for shard index/count). Runs in worker processes too."""
-    jobs, failed = plan(expand_matrix(matrix, overrides))
+    specs = expand_matrix(matrix, overrides)
+    if fetch_model_indexes([spec.model for spec in specs]):   # hub repos seen for the first time: by their family
+        specs = expand_matrix(matrix, overrides)
+    jobs, failed = plan(specs)
     mine = shard_of(jobs, index, count)
     # Planning failures are reported once, by the first shard.
     return len(jobs), (failed if index == 1 else []) + run_jobs(mine, dry_run, sign_key)
