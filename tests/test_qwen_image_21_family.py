@@ -223,3 +223,25 @@ def test_a_hub_id_build_fetches_the_processor_folder_and_warm_and_inspect_read_i
         BUCKET, "--cache-dir", tmp_path / "cache", "--output", local)
     a, b = (generate(Bundle(x), Request(PROMPT, seed=SEED, steps=STEPS)).image for x in (out, local))
     assert image_diff(a, b)[0] == 0
+
+
+def test_the_eager_stand_in_runs_the_21_program_as_the_bundle(bundle, ckpt):
+    """qic.builder.eager.EagerModel, the reference path of the checks, holds 2.1's graphs (prefill and decode by the
+    family's own graph shapes) and its host fields (its manifest_fields hook), so the family's program runs on it
+    and draws the compiled bundle's image within the bound; another seed does not."""
+    from qic.builder.eager import EagerModel
+    from qic.models.qwen_image_21.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    compiled, eager = Bundle(bundle), EagerModel(ckpt, [SIZE], [BUCKET])
+    for part in ("prefill", "decode", "head", None):
+        assert eager.has_graph("denoiser", SIZE, BUCKET, part=part) == compiled.has_graph("denoiser", SIZE, BUCKET,
+                                                                                         part=part), part
+    assert eager.manifest["denoiser"] == compiled.manifest["denoiser"]
+    assert eager.manifest["prompt"] == compiled.manifest["prompt"]
+
+    def draw(model, seed=SEED):
+        return generate(model, Request(PROMPT, negative_prompt=NEGATIVE, guidance=GUIDANCE, seed=seed,
+                                       steps=STEPS)).image
+    want = draw(compiled)
+    assert _within(draw(eager), want)
+    assert not _within(draw(eager, SEED + 1), want)

@@ -18,11 +18,11 @@ from qic.dtypes import TORCH_DTYPES
 from qic.errors import BundleError
 from qic.graph_names import graph_name
 from qic.host.latents import packed_grid
-from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
 from qic.models.common import load_weights
 from qic.parallel.mesh import RANK_INPUTS, Layout, join
 from qic.parallel.tp import apply_tp, shard_state_dict
 from qic.runtime.protocol import refuse_unlisted
+from qic.spec import parse_spec
 from qic.tokenizer import load_tokenizer
 
 
@@ -57,12 +57,17 @@ class EagerModel:
         step caching only with step_cache."""
         self.cfg_modes, self.batch_sizes = tuple(cfg), batch_sizes   # before `cfg` names a component's config
         self.ckpt = Checkpoint(Path(root))
-        family.use(family.of_model_index(self.ckpt.root / "model_index.json"))   # its components: the stages'
+        fam = family.use(family.of_model_index(self.ckpt.root / "model_index.json"))   # its components: the stages'
         self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
         self.resolutions = [tuple(r) for r in resolutions]
         self.buckets = list(buckets)
-        self.scheduler = self.ckpt.config("scheduler")
-        self.prompt = {"template": TEMPLATE, "drop_tokens": DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS}
+        # The host fields a bundle of these resolutions and buckets records, from the family's own hook (what its
+        # host program reads: qic.runtime.programs), so one stand-in serves every family's program.
+        spec = parse_spec({"model": str(self.ckpt.root), "resolutions": [f"{h}x{w}" for h, w in self.resolutions],
+                           "text_buckets": self.buckets, "dtype": dtype})
+        self.manifest = self._host_fields(spec, fam)
+        self.scheduler = self.manifest.get("scheduler")
+        self.prompt = self.manifest.get("prompt")
         self.dtype = dtype
         self.configs, self.modules = {}, {}
         self.layout, self.rank = layout or Layout(), rank
@@ -80,15 +85,24 @@ class EagerModel:
             load_weights(module, sd, name)
             self.configs[name] = cfg
             self.modules[name] = module.to(TORCH_DTYPES[comp.run_dtype(dtype)]).eval()
-        vae = self.configs["vae_decoder"]
-        self.latents = {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor,
-                        "channels": self.configs["denoiser"].in_channels}
+        self.latents = self.manifest.get("latents")
         for h, w in self.resolutions:   # as `qic build` refuses them
-            packed_grid(h, w, vae.scale_factor)
+            packed_grid(h, w, self.configs["vae_decoder"].scale_factor)
+        # The parts of each component's graphs a build of these keys holds besides step caching's (None: the whole
+        # graph; Qwen-Image-2.1's denoiser has only its prefill and decode)
+        self._parts = {name: {shape.get("part") for shape in comp.graph_shapes(spec)}
+                       for name, comp in family.components().items()}
         self._graphs = {}
         self.defaults = {}
         self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
         self.lockstep = False   # each rank runs its own graphs eagerly
+
+    @staticmethod
+    def _host_fields(spec, fam) -> dict:
+        """The family's manifest_fields for `spec` (qic.builder.bundle writes them into a bundle's manifest)."""
+        from qic.builder.context import Context
+        hook = getattr(family.components_module(fam), "manifest_fields", None)
+        return hook(spec, Context(spec, None)) if hook is not None else {}
 
     def check_resolution(self, height: int, width: int) -> None:
         refuse_unlisted(height, width, self.resolutions, "eager model")
@@ -100,7 +114,8 @@ class EagerModel:
                 and (bucket is None or bucket in self.buckets)
                 and (component != "denoiser" or cfg in self.cfg_modes)
                 and (self.batch_sizes is None or batch in self.batch_sizes)
-                and (part is None or (component == "denoiser" and self.step_cache is not None)))
+                and (part in self._parts.get(component, {None})
+                     or (part is not None and component == "denoiser" and self.step_cache is not None)))
 
     def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
               part: str | None = None, rows: int | None = None) -> _Eager:
@@ -115,7 +130,8 @@ class EagerModel:
             # made by the component's own graph maker, as a build makes it.
             given = {"resolution": None if resolution is None else list(resolution), "bucket": bucket,
                      "cfg": None if cfg else False, "batch": None if batch == 1 else batch, "part": part, "rows": rows}
-            shape = {k: v for k, v in given.items() if v is not None} | (self.step_cache if part else {})
+            split = self.step_cache if part not in self._parts.get(component, {None}) else None
+            shape = {k: v for k, v in given.items() if v is not None} | (split or {})
             dtype = family.component(component).run_dtype(self.dtype)
             gdef = make_graph(component, self.modules[component], self.configs, shape, dtype, self.layout)
             fixed = {name: torch.tensor([self.coords[axis]]) for name, axis in RANK_INPUTS.items()}

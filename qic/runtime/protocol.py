@@ -44,6 +44,9 @@ class Runnable(Protocol):
     latents: dict                        # z_dim, vae_scale_factor, channels
     scheduler: dict                      # the flow-matching scheduler's config
     tokenizer: Tokenizer
+    # The host fields its family's manifest_fields hook records (a bundle's whole manifest): where a family's own
+    # program reads what is its alone (Qwen-Image-2.1's sample_sigmas, its denoiser's RoPE axes)
+    manifest: dict
     step_cache: dict | None              # {first, last}: the split step graphs are in (None: not)
     lockstep: bool                       # its ranks must call the same graphs in the same order (qic.backends)
 
