@@ -132,11 +132,13 @@ def check_all(values: dict, source: str = "") -> dict:
     return {k: BY_NAME[k].check(v, source) for k, v in values.items()}
 
 
-def request_class(name: str, module: str, extra: list[tuple], doc: str) -> type:
-    """The runtime's request dataclass: prompt, then every other request option keyword-only (so that code
-    building it names each value: a new row cannot shift another's), then `extra` (the runtime's own fields,
-    e.g. what validation resolves)."""
-    fields = [(o.name, _annotation(o), field(default=o.default, kw_only=True)) for o in REQUEST_OPTIONS]
+def request_class(name: str, module: str, extra: list[tuple], doc: str, only: tuple[str, ...] | None = None) -> type:
+    """A host program's request dataclass: prompt, then every other request option keyword-only (so that code
+    building it names each value: a new row cannot shift another's), then `extra` (the program's own fields,
+    e.g. what validation resolves). `only`: the rows a program takes (None: every one); `qic run` refuses a row
+    its Request lacks (qic.cli.run), so a program never silently drops one."""
+    rows = [o for o in REQUEST_OPTIONS if only is None or o.name == "prompt" or o.name in only]
+    fields = [(o.name, _annotation(o), field(default=o.default, kw_only=True)) for o in rows]
     if fields[0][0] != "prompt":
         raise AssertionError("prompt must be the first request option")
     cls = make_dataclass(name, [("prompt", str), *fields[1:], *extra])

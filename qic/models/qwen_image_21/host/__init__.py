@@ -6,7 +6,8 @@ text bucket; the encoder graph; its rows from the dropped system tokens on (zero
 keys); the schedule (the checkpoint's sample_sigmas when it has them, else linspace over `steps`, shifted as the
 scheduler config says: sampling.py); the pipeline's initial noise for a CPU generator of `seed`. Then per step:
 on the first, the prefill graph over [text | target] for each CFG branch (true CFG when guidance > 1 and a
-negative prompt is given, as the pipeline's true_cfg_scale: neg + g * (cond - neg), no renormalisation), whose
+negative prompt is given, as the pipeline's true_cfg_scale: neg + g * (cond - neg), no renormalisation; the
+negative prompt defaults to ' ' as for every family, qic.host.options; null: none), whose
 prefix K/V stay resident, one per branch; on every later step the decode graph of the target against them
 (kv_cache=False: the prefill at every step, the pipeline's use_kv_cache=False). The Euler update in fp32 as the
 scheduler's step; the VAE decoder graph; the RGBA image as the pipeline's postprocess returns it.
@@ -31,6 +32,7 @@ import torch
 from PIL import Image
 
 from qic.errors import ConfigError
+from qic.host.options import request_class
 from qic.host.prompt import pick_bucket
 from qic.models.qwen_image_21.host.prompt import prompt_text
 from qic.models.qwen_image_21.host.sampling import (
@@ -46,17 +48,12 @@ from qic.models.qwen_image_21.host.sampling import (
 from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
 from qic.parallel.mesh import from_each_branch
 
-
-@dataclass
-class Request:
-    prompt: str
-    negative_prompt: str | None = None
-    steps: int | None = None          # None: the checkpoint's sample_sigmas, else the pipeline's 40
-    guidance: float | None = None     # the pipeline's true_cfg_scale (default 1: off)
-    seed: int | None = None
-    height: int | None = None
-    width: int | None = None
-    kv_cache: bool = True
+# One image's run options: the rows of qic.host.options this program takes (steps None: the checkpoint's
+# sample_sigmas, else the pipeline's 40; guidance None: the pipeline's true_cfg_scale default, 1, CFG off), and
+# kv_cache (False: the prefill at every step, the pipeline's use_kv_cache=False; no flag yet).
+Request = request_class("Request", __name__, [("kv_cache", bool, field(default=True, kw_only=True))],
+                        "One Qwen-Image-2.1 image's run options (qic.host.options' rows it takes, then kv_cache).",
+                        only=("negative_prompt", "steps", "guidance", "seed", "height", "width"))
 
 
 @dataclass
