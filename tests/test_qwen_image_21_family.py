@@ -245,3 +245,24 @@ def test_the_eager_stand_in_runs_the_21_program_as_the_bundle(bundle, ckpt):
     want = draw(compiled)
     assert _within(draw(eager), want)
     assert not _within(draw(eager, SEED + 1), want)
+
+
+def test_no_kv_cache_reaches_the_program_from_the_flag_and_a_prompts_file_line(bundle, tmp_path, monkeypatch):
+    """`qic run --no-kv-cache`, and a prompts-file line's "kv_cache": false, reach the program as kv_cache=False
+    (the pipeline's use_kv_cache=False: test_no_cfg_and_no_kv_cache_match_the_pipeline); not given, None (kept)."""
+    from click.testing import CliRunner
+
+    from qic.cli import main
+    from qic.models.qwen_image_21 import host
+    seen = []
+
+    def record(model, req):
+        seen.append(req.kv_cache)
+        raise SystemExit(0)
+    monkeypatch.setattr(host, "generate", record)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "kv_cache": False}) + "\n")
+    for args in (["--prompt", PROMPT, "--no-kv-cache"], ["--prompts-file", str(prompts)], ["--prompt", PROMPT]):
+        result = CliRunner().invoke(main, ["run", str(bundle), *args, "--output", str(tmp_path / "x.png")])
+        assert result.exit_code == 0, result.output
+    assert seen == [False, False, None]

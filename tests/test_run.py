@@ -272,3 +272,12 @@ def test_a_negative_seed_is_refused_by_run_as_by_serve(bundle, tmp_path):
     proc = qic("run", bundle, "--prompt", "x", "--seed", "-1", "--output", tmp_path / "x.png", check=False)
     _one_line_refusal(proc, "seed must be an integer in [0, 2**63)")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_an_option_of_another_familys_program_is_refused_in_one_line(bundle, tmp_path):
+    """--no-kv-cache is Qwen-Image-2.1's (an opt-in row of qic.host.options): the text-to-image program's Request
+    lacks it, so qic run refuses it on this bundle, naming the flag, instead of dropping it."""
+    from tests.helpers import one_line_refusal
+    proc = qic("run", bundle, "--prompt", "x", "--no-kv-cache", "--output", tmp_path / "x.png", check=False)
+    one_line_refusal(proc, "--kv-cache: this bundle's host program (qic.runtime.generate) takes no such option")
+    assert not (tmp_path / "x.png").exists()

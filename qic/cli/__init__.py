@@ -135,7 +135,11 @@ def _run_option_flags(fn):
     the bundle's default applies where the request is made)."""
     from qic.host.options import FLAG, given_at
     for option in reversed(given_at(FLAG)):
-        fn = click.option(option.flag, option.name, type=option.kind, default=None, help=option.help)(fn)
+        if option.kind is bool:   # --name / --no-name
+            flags = f"{option.flag}/--no-{option.flag[2:]}"
+            fn = click.option(flags, option.name, default=None, help=option.help)(fn)
+        else:
+            fn = click.option(option.flag, option.name, type=option.kind, default=None, help=option.help)(fn)
     return fn
 
 

@@ -33,6 +33,9 @@ class RunOption:
     request: bool = True          # a field of the runtime's Request (output is qic run's alone)
     what: str = ""                # how an error names the type ("a file path"); default from kind
     required: bool = False        # every request has it (the prompt)
+    # Taken only by the host programs that name it (request_class's `only`): a family's own option (2.1's
+    # kv_cache); the others' Requests lack it, so `qic run` refuses it on their bundles in one line.
+    opt_in: bool = False
 
     @property
     def flag(self) -> str:
@@ -40,7 +43,8 @@ class RunOption:
 
     def describe(self) -> str:
         """'an integer >= 1', 'a finite number >= 0', 'a string or null', ..."""
-        text = self.what or {int: "an integer", float: "a finite number", str: "a string"}[self.kind]
+        text = self.what or {int: "an integer", float: "a finite number", str: "a string",
+                             bool: "true or false"}[self.kind]
         if self.minimum is not None and self.below is not None:
             text += f" in [{_num(self.minimum)}, {_num(self.below)})"
         elif self.minimum is not None:
@@ -55,12 +59,12 @@ class RunOption:
         if value is None and not self.required:
             return None
         kinds = (int, float) if self.kind is float else (self.kind,)
-        ok = isinstance(value, kinds) and not isinstance(value, bool)
+        ok = isinstance(value, kinds) and (self.kind is bool) == isinstance(value, bool)
         if ok and self.kind is float:
             ok = math.isfinite(value)
         if ok and self.kind is str:
             ok = len(value) >= (self.minimum or 0)
-        elif ok:
+        elif ok and self.kind is not bool:
             ok = (self.minimum is None or value >= self.minimum) and (self.below is None or value < self.below)
         if not ok:
             where = f"{source}: " if source else ""
@@ -99,6 +103,9 @@ OPTIONS: tuple[RunOption, ...] = (
               minimum=-1, bundle_default=True),
     RunOption("cache_steps", str, CACHE_HELP + "a static mask, the steps that compute, e.g. 0-7,9,11,13 (no "
               "per-step read).", bundle_default=True, what="steps like '0-7,9'"),
+    # qic serve serves the text-to-image program only, which does not take it: not an HTTP field yet.
+    RunOption("kv_cache", bool, "Prefix K/V cache (Qwen-Image-2.1 bundles): --no-kv-cache runs the prefill at every "
+              "step, as the pipeline's use_kv_cache=False.", where=NOT_HTTP, opt_in=True),
 )
 BY_NAME: dict[str, RunOption] = {}
 REQUEST_OPTIONS: tuple[RunOption, ...] = ()
@@ -137,7 +144,8 @@ def request_class(name: str, module: str, extra: list[tuple], doc: str, only: tu
     building it names each value: a new row cannot shift another's), then `extra` (the program's own fields,
     e.g. what validation resolves). `only`: the rows a program takes (None: every one); `qic run` refuses a row
     its Request lacks (qic.cli.run), so a program never silently drops one."""
-    rows = [o for o in REQUEST_OPTIONS if only is None or o.name == "prompt" or o.name in only]
+    rows = [o for o in REQUEST_OPTIONS
+            if o.name == "prompt" or (o.name in only if only is not None else not o.opt_in)]
     fields = [(o.name, _annotation(o), field(default=o.default, kw_only=True)) for o in rows]
     if fields[0][0] != "prompt":
         raise AssertionError("prompt must be the first request option")

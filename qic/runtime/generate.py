@@ -56,7 +56,8 @@ def validate(req: Request, bundle: Runnable) -> Request:
     if req.guidance is None:
         req.guidance = defaults.get("guidance", DEFAULT_GUIDANCE)
     for option in REQUEST_OPTIONS:   # 4 and 4.0 are one guidance (and write one PNG): float options give floats
-        if option.name not in CACHE_FIELDS:   # step caching's: settings_from below, the bundle's defaults included
+        # step caching's: settings_from below, the bundle's defaults included; rows of other programs (opt_in) absent
+        if option.name not in CACHE_FIELDS and option.name in Request.__dataclass_fields__:
             setattr(req, option.name, option.check(getattr(req, option.name)))
     if req.aspect is not None:
         if req.height is not None or req.width is not None:

@@ -49,11 +49,11 @@ from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_i
 from qic.parallel.mesh import from_each_branch
 
 # One image's run options: the rows of qic.host.options this program takes (steps None: the checkpoint's
-# sample_sigmas, else the pipeline's 40; guidance None: the pipeline's true_cfg_scale default, 1, CFG off), and
-# kv_cache (False: the prefill at every step, the pipeline's use_kv_cache=False; no flag yet).
-Request = request_class("Request", __name__, [("kv_cache", bool, field(default=True, kw_only=True))],
-                        "One Qwen-Image-2.1 image's run options (qic.host.options' rows it takes, then kv_cache).",
-                        only=("negative_prompt", "steps", "guidance", "seed", "height", "width"))
+# sample_sigmas, else the pipeline's 40; guidance None: the pipeline's true_cfg_scale default, 1, CFG off;
+# kv_cache None or True: the prefix K/V kept, False: the prefill at every step, the pipeline's use_kv_cache=False).
+Request = request_class("Request", __name__, [],
+                        "One Qwen-Image-2.1 image's run options (the rows of qic.host.options it takes).",
+                        only=("negative_prompt", "steps", "guidance", "seed", "height", "width", "kv_cache"))
 
 
 @dataclass
@@ -145,7 +145,7 @@ def generate(model, req: Request) -> Result:
         ts = timesteps[i:i + 1]
         preds = []
         for b in branches:
-            if b.kv is None or not req.kv_cache:
+            if b.kv is None or req.kv_cache is False:
                 pred, k, v = prefill(b.text, latents, ts, b.index, b.block_ids, b.key_valid, b.cos, b.sin)
                 b.kv = (k, v)
             else:
