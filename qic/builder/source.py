@@ -33,7 +33,8 @@ def hub_patterns(repo_id: str, configs_only: bool = False) -> list[str]:
     the scheduler, the family's tokenizer folder (Qwen-Image's tokenizer/, 2.1's processor/) and each component's
     folder (configs_only, what `qic warm` compiles from: their config.json files, not the weights). Qwen-Image's
     vision tower lives in the text encoder's shards and is simply not read."""
-    fam = family.of_model_index(_from_hub(repo_id, ["model_index.json"]) / "model_index.json")
+    index = local_model_index(repo_id) or _from_hub(repo_id, ["model_index.json"]) / "model_index.json"
+    fam = family.of_model_index(index)
     folders = dict.fromkeys(family.folders(fam))
     parts = [f"{f}/config.json" for f in folders] if configs_only else [f"{f}/*" for f in folders]
     return ["model_index.json", "scheduler/*", f"{fam.tokenizer}/*", *parts]
@@ -50,6 +51,14 @@ def fetch_model_indexes(models) -> bool:
             _from_hub(model, ["model_index.json"])
             fetched = True
     return fetched
+
+
+def load_spec_by_family(config, overrides):
+    """qic.spec.load_spec, parsed again when its model is a hub repo whose model_index.json had to be fetched first
+    (fetch_model_indexes): `qic build` and `qic plan`'s spec, of the family the repo names."""
+    from qic.spec import load_spec
+    spec = load_spec(config, overrides)
+    return load_spec(config, overrides) if fetch_model_indexes([spec.model]) else spec
 
 
 def embedded_preset(model: str | None) -> str:

@@ -12,12 +12,9 @@ from qic.cli.tables import size, wide_console
 
 def run_build(config, overrides) -> None:
     from qic.builder.pipeline import build
-    from qic.builder.source import fetch_model_indexes
-    from qic.spec import load_spec
+    from qic.builder.source import load_spec_by_family
 
-    spec = load_spec(config, overrides)
-    if fetch_model_indexes([spec.model]):   # a hub repo seen for the first time: parsed again, by its family
-        spec = load_spec(config, overrides)
+    spec = load_spec_by_family(config, overrides)
     console = wide_console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:

@@ -14,8 +14,7 @@ def run_plan(config, overrides) -> None:
     """CONFIG may be a YAML build config or a checkpoint directory (configs alone are enough)."""
     from qic import family
     from qic.builder.memplan import plan_memory
-    from qic.builder.source import resolve_configs
-    from qic.spec import load_spec
+    from qic.builder.source import load_spec_by_family, resolve_configs
 
     if config and Path(config).is_dir():
         if overrides.get("model"):
@@ -23,10 +22,7 @@ def run_plan(config, overrides) -> None:
             raise ConfigError(f"{config} is a model directory and --model names another",
                               "pass one of them")
         config, overrides = None, {**overrides, "model": str(config)}
-    from qic.builder.source import fetch_model_indexes
-    spec = load_spec(config, overrides)
-    if fetch_model_indexes([spec.model]):   # a hub repo seen for the first time: parsed again, by its family
-        spec = load_spec(config, overrides)
+    spec = load_spec_by_family(config, overrides)
     family.use(spec.family)
     configs, raw = resolve_configs(spec.model, Path(spec.cache_dir))
     print_plan(plan_memory(spec, configs, raw, Path(spec.cache_dir)), model_name(spec.model), wide_console())
