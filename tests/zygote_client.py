@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -45,6 +46,7 @@ def _stop() -> None:
         if z["proc"].poll() is None:
             z["proc"].kill()
             z["proc"].wait()
+        shutil.rmtree(z["folder"], ignore_errors=True)   # its socket (the runs' stream files are gone already)
 
 
 def forkable(argv: list[str], overrides: dict | None = None, **kw) -> bool:
