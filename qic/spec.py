@@ -28,7 +28,7 @@ LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
         "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target", "step_cache",
-        "ulysses", "cfg_parallel")
+        "ulysses", "cfg_parallel", "condition_sizes", "condition_images")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 
 
@@ -89,6 +89,11 @@ class BuildSpec:
     # CFG-parallel (the cond and uncond rows on two rank groups); world = tp x ulysses x (2 if cfg_parallel).
     ulysses: int = 1
     cfg_parallel: bool = False
+    # Reference (condition) images: the sizes, VAE side, each condition image is resized to (one vision-tower and
+    # one VAE-encoder graph per size: the family's condition components, qic.family.Component.conditions), and
+    # how many one request may hold. () and 0: a build without them.
+    condition_sizes: tuple[tuple[int, int], ...] = ()
+    condition_images: int = 0
 
     @property
     def layout(self):
@@ -190,9 +195,15 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
                           f"{' and '.join(fam.backends)} back end{'s' if len(fam.backends) > 1 else ''}, not {backend} "
                           "(not yet)", f"build with --backend {fam.backends[0]}")
     known = family.names(fam)
-    components = _str_list(raw.get("components", list(known)), "components", at("components"))
+    condition_sizes, condition_images = _conditions(raw, at)
+    components = _components(raw, fam, bool(condition_sizes), at)
     for c in components:
-        _choice(c, known, "components", at("components"))
+        made_for = family.components(fam)[c].backends
+        if made_for is not None and backend not in made_for:
+            raise ConfigError(f"{at('backend')}: the {fam.name} component {c}'s graphs are made for the "
+                              f"{' and '.join(made_for)} back ends, not {backend} (not yet)",
+                              f"build with --backend {made_for[0]}" + (", or drop --condition-size"
+                                                                       if family.components(fam)[c].conditions else ""))
     resolutions = default_resolutions(model)
     spec = BuildSpec(
         model=model,
@@ -226,10 +237,46 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         step_cache=_step_cache(raw.get("step_cache"), components, at("step_cache")),
         ulysses=_positive_int(raw.get("ulysses", d.ulysses), "ulysses", at("ulysses")),
         cfg_parallel=_bool(raw.get("cfg_parallel", d.cfg_parallel), "cfg_parallel", at("cfg_parallel")),
+        condition_sizes=condition_sizes,
+        condition_images=condition_images,
     )
     _cache_defaults_need_graphs(dict(spec.defaults), spec.step_cache, at("defaults"))
     _layout_combinations(spec, at)
     return spec
+
+
+def _conditions(raw: Mapping, at) -> tuple[tuple[tuple[int, int], ...], int]:
+    """(condition sizes, condition images): sizes as resolutions are written, in the order given, each once; the
+    image count 1 when sizes are given without it, and no count without sizes (nothing to run them on)."""
+    sizes = tuple(dict.fromkeys(parse_resolution(r, at("condition_sizes")) for r in _str_list(
+        raw.get("condition_sizes") or [], "condition_sizes", at("condition_sizes"))))
+    count = raw.get("condition_images")
+    if count is None:
+        return sizes, 1 if sizes else 0
+    count = _positive_int(count, "condition_images", at("condition_images"))
+    if not sizes:
+        raise ConfigError(f"{at('condition_images')}: condition_images {count} needs condition_sizes (the sizes "
+                          "condition images are resized to)", "add --condition-size HxW, or drop --condition-images")
+    return sizes, count
+
+
+def _components(raw: Mapping, fam, conditions: bool, at) -> list[str]:
+    """The components asked for (default: every one of the family's, its condition components only when the build
+    names condition sizes); a condition component named without them is refused, and so are condition sizes for a
+    family with no component to encode them."""
+    defs = family.components(fam)
+    source = at("components")
+    if conditions and not any(c.conditions for c in defs.values()):
+        raise ConfigError(f"{at('condition_sizes')}: the {fam.name} family's graphs take no condition images (not "
+                          "yet)", "drop --condition-size / condition_sizes")
+    default = [n for n, c in defs.items() if conditions or not c.conditions]
+    components = _str_list(raw.get("components", default), "components", source)
+    for c in components:
+        _choice(c, tuple(defs), "components", source)
+        if defs[c].conditions and not conditions:
+            raise ConfigError(f"{source}: component {c} encodes condition images, but the build names no "
+                              "condition_sizes", "add --condition-size HxW, or leave it out of components")
+    return components
 
 
 def _layout_combinations(spec: BuildSpec, at) -> None:

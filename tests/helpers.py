@@ -163,9 +163,9 @@ def one_line_refusal(proc, *needles):
 
 
 class DecodePrefix:
-    """A loaded bundle whose decode graph (2.1's `part="decode"`) is handed `prefix(k, v)` in place of the host's
-    resident prefix K/V: a broken variant's prefix (another prompt's, another rank's); everything else is the
-    bundle's."""
+    """A loaded bundle whose decode graph (2.1's `part="decode"` or `"decode-images"`) is handed `prefix(k, v)` in
+    place of the host's resident prefix K/V: a broken variant's prefix (another prompt's, another rank's); everything
+    else is the bundle's."""
 
     def __init__(self, inner, prefix):
         self.inner, self.prefix = inner, prefix
@@ -175,6 +175,6 @@ class DecodePrefix:
 
     def graph(self, component, *args, part=None, **kw):
         g = self.inner.graph(component, *args, part=part, **kw)
-        if part != "decode":
+        if part not in ("decode", "decode-images"):
             return g
         return lambda target, ts, k, v, *rest: g(target, ts, *self.prefix(k, v), *rest)

@@ -141,3 +141,32 @@ def load_pipeline(root: Path):
         transformer=diffusers.QwenImage21Transformer2DModel.from_pretrained(root / "transformer",
                                                                             torch_dtype=torch.float32),
         sample_sigmas=index.get("sample_sigmas"))
+
+
+def images_processor(root: Path):
+    """transformers' own Qwen3VLProcessor over the checkpoint's processor files, with the image processor its
+    preprocessor_config.json describes (the PIL class) and no video processor: the processor's parts are what
+    ProcessorMixin.get_attributes lists, so that list leaves video_processor out while the processor is made
+    (../shared/notes/qwen-image.md; the video processor needs torchvision, which this environment lacks). Text, image
+    pads, pixel values and grids are then the real processor's, which a stand-in could not vouch for."""
+    from unittest import mock
+
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    proc_dir = Path(root) / "processor"
+    settings = json.loads((proc_dir / "preprocessor_config.json").read_text())
+    image_processor = Qwen2VLImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(proc_dir)
+    cls = transformers.Qwen3VLProcessor
+    parts = [a for a in cls.get_attributes() if a != "video_processor"]
+    with mock.patch.object(cls, "get_attributes", classmethod(lambda _: parts)):
+        return cls(image_processor=image_processor, tokenizer=tokenizer,
+                   chat_template=(proc_dir / "chat_template.jinja").read_text())
+
+
+def load_images_pipeline(root: Path):
+    """load_pipeline with the images processor (images_processor): the pipeline as it runs with condition images."""
+    pipe = load_pipeline(root)
+    pipe.processor = images_processor(root)
+    return pipe

@@ -18,13 +18,12 @@ import torch
 
 from qic.errors import ConfigError
 from qic.models.common import load_weights
-from qic.models.qwen_image_21.host.prompt import expand_image_pads
+from qic.models.qwen_image_21.host.prompt import expand_image_pads, mrope_positions
 from qic.models.qwen_image_21.host.prompt import prompt_text as prompt_text_of
 from qic.models.qwen_image_21.text_encoder import (
     TP_PLAN,
     QwenImage21TextEncoder,
     TextEncoder21Config,
-    mrope_positions,
     text_encoder_state_dict,
 )
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_

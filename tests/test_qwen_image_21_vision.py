@@ -14,7 +14,8 @@ import torch
 
 from qic.errors import ConfigError
 from qic.models.common import load_weights
-from qic.models.qwen_image_21.text_encoder import QwenImage21TextEncoder, TextEncoder21Config, mrope_positions
+from qic.models.qwen_image_21.host.prompt import mrope_positions
+from qic.models.qwen_image_21.text_encoder import QwenImage21TextEncoder, TextEncoder21Config
 from qic.models.qwen_image_21.vision import QwenImage21Vision, VisionConfig, patchify, vision_state_dict
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
 from tests.test_qwen_image_21_text_encoder import (
@@ -128,8 +129,8 @@ def test_vision_pixels_are_the_image_processors(size):
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from qic.models.qwen_image_21.host.processor import IMAGE_MEAN, IMAGE_STD, vision_pixels
     from qic.models.qwen_image_21.host.sampling import vision_grid
-    from qic.models.qwen_image_21.vision import IMAGE_MEAN, IMAGE_STD, vision_pixels
     cfg = VisionConfig.from_dict(_config_dict())
     h, w = size
     rgb = np.random.default_rng(h).integers(0, 256, (h, w, 3), dtype=np.uint8)
@@ -139,11 +140,11 @@ def test_vision_pixels_are_the_image_processors(size):
     want = proc(images=[image], return_tensors="np")
     grid = vision_grid(h, w, patch_size=4, merge_size=2, min_pixels=1024, max_pixels=4096)
     assert [1, *grid] == want["image_grid_thw"][0].tolist()
-    got = patchify(vision_pixels(image, grid, cfg), cfg).numpy()
+    got = patchify(vision_pixels(image, grid, cfg.patch_size), cfg).numpy()
     assert got.shape == want["pixel_values"].shape
     assert np.abs(got - want["pixel_values"]).max() <= 4e-7  # measured 1.2e-7: one float32 ulp at 1
     # the wrong normalisation (CLIP's, the processor class default) is far off
-    clip = patchify(vision_pixels(image, grid, cfg, mean=(0.481, 0.458, 0.408), std=(0.269, 0.261, 0.276)), cfg)
+    clip = patchify(vision_pixels(image, grid, cfg.patch_size, (0.481, 0.458, 0.408), (0.269, 0.261, 0.276)), cfg)
     assert np.abs(clip.numpy() - want["pixel_values"]).max() > 0.05
 
 

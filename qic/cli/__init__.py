@@ -83,6 +83,11 @@ _BUILD_OPTIONS = [
     click.option("--resolution", "resolutions", multiple=True,
                  help="HxW or an aspect preset (1:1 16:9 9:16 4:3 3:4 3:2 2:3), repeatable; replaces the config's "
                       "list."),
+    click.option("--condition-size", "condition_sizes", multiple=True,
+                 help="HxW a reference (condition) image is resized to, VAE side (repeatable): a vision-tower and a "
+                      "VAE-encoder graph each (Qwen-Image-2.1; replaces the config's list)."),
+    click.option("--condition-images", type=int,
+                 help="Most condition images one request holds (default 1 with --condition-size)."),
     click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length."),
     click.option("--text-bucket-step", type=int, help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
     click.option("--batch-sizes", help="Images per graph call to build graphs for, e.g. 1,2 (qic serve batches "
@@ -112,10 +117,10 @@ def _build_options(fn):
     return fn
 
 
-def _overrides(resolutions, loras=(), cache_public_keys=(), **flags) -> dict:
+def _overrides(resolutions, loras=(), cache_public_keys=(), condition_sizes=(), **flags) -> dict:
     """Flag values as spec overrides: repeatable flags given no value leave the config's list alone."""
     return {**flags, "resolutions": list(resolutions) or None, "loras": list(loras) or None,
-            "cache_public_keys": list(cache_public_keys) or None}
+            "cache_public_keys": list(cache_public_keys) or None, "condition_sizes": list(condition_sizes) or None}
 
 
 # How a bundle is loaded, the same for `qic run` and `qic serve` (qic.runtime.bundle.Bundle's arguments).
@@ -138,6 +143,9 @@ def _run_option_flags(fn):
         if option.kind is bool:   # --name / --no-name
             flags = f"{option.flag}/--no-{option.flag[2:]}"
             fn = click.option(flags, option.name, default=None, help=option.help)(fn)
+        elif option.kind is list:   # repeated; not given: None, as every other flag
+            fn = click.option(option.flag, option.name, multiple=True, help=option.help,
+                              callback=lambda ctx, param, value: list(value) or None)(fn)
         else:
             fn = click.option(option.flag, option.name, type=option.kind, default=None, help=option.help)(fn)
     return fn

@@ -22,7 +22,8 @@ NOT_HTTP = frozenset((FLAG, LINE))   # the request's `size` names the resolution
 @dataclass(frozen=True)
 class RunOption:
     name: str                     # the Request field, the JSONL key and the HTTP field; the flag is --name-with-dashes
-    kind: type                    # int, float or str (a float option takes integers too, as JSON and YAML write them)
+    kind: type                    # int, float, str, bool, or list (of strings; a line may give one string; the flag
+    #                               repeats) (a float option takes integers too, as JSON and YAML write them)
     help: str
     default: object = None        # None: not given (then the bundle's run default, where it may have one)
     minimum: float | None = None  # value >= minimum
@@ -44,7 +45,7 @@ class RunOption:
     def describe(self) -> str:
         """'an integer >= 1', 'a finite number >= 0', 'a string or null', ..."""
         text = self.what or {int: "an integer", float: "a finite number", str: "a string",
-                             bool: "true or false"}[self.kind]
+                             bool: "true or false", list: "a string or a list of strings"}[self.kind]
         if self.minimum is not None and self.below is not None:
             text += f" in [{_num(self.minimum)}, {_num(self.below)})"
         elif self.minimum is not None:
@@ -58,6 +59,12 @@ class RunOption:
         Booleans are not numbers, "3" is not an integer, 3.5 not a step count; a float option takes an int."""
         if value is None and not self.required:
             return None
+        if self.kind is list:
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v for v in items):
+                where = f"{source}: " if source else ""
+                raise ConfigError(f"{where}{self.name} must be {self.describe()}, got {value!r}")
+            return list(items)
         kinds = (int, float) if self.kind is float else (self.kind,)
         ok = isinstance(value, kinds) and (self.kind is bool) == isinstance(value, bool)
         if ok and self.kind is float:
@@ -103,6 +110,14 @@ OPTIONS: tuple[RunOption, ...] = (
               minimum=-1, bundle_default=True),
     RunOption("cache_steps", str, CACHE_HELP + "a static mask, the steps that compute, e.g. 0-7,9,11,13 (no "
               "per-step read).", bundle_default=True, what="steps like '0-7,9'"),
+    # Qwen-Image-2.1's reference images (a bundle built with --condition-size). Not HTTP fields yet: images reach a
+    # server through /v1/images/edits (the editing issue).
+    RunOption("image", list, "Reference (condition) image file; repeat for several, in prompt order (Qwen-Image-2.1 "
+              "bundles built with --condition-size).", where=NOT_HTTP, opt_in=True, what="an image file path or a "
+              "list of them"),
+    RunOption("output_resolution", int, "Qwen-Image-2.1: condition images are resized to about its square in "
+              "pixels at their aspect, and the output size follows the last one (default: the bundle's, else 1024).",
+              minimum=32, where=NOT_HTTP, opt_in=True, bundle_default=True),
     # qic serve serves the text-to-image program only, which does not take it: not an HTTP field yet.
     RunOption("kv_cache", bool, "Prefix K/V cache (Qwen-Image-2.1 bundles): --no-kv-cache runs the prefill at every "
               "step, as the pipeline's use_kv_cache=False.", where=NOT_HTTP, opt_in=True),

@@ -2,12 +2,16 @@
 
 - text_encoder: the Qwen3-VL language model's prefill per text bucket (text only: no vision tower graph yet);
 - denoiser: two graphs per resolution and text bucket, prefill and decode (qic.models.qwen_image_21.graphs);
-- vae_decoder: per resolution, fp32 whatever the build's dtype (as Qwen-Image's).
+- vae_decoder: per resolution, fp32 whatever the build's dtype (as Qwen-Image's);
+- vision, vae_encoder: the condition components, per condition size (`--condition-size`), in a build only when it
+  names condition sizes: the Qwen3-VL vision tower (replicated under TP, its weights in the text encoder's folder)
+  and the VAE's encoder half (fp32).
 The modules load diffusers' / transformers' tensor names strict, so the converters only select tensors (the
 text encoder's language model, the VAE's decoder half). The TP tables are the modules' own TP_PLANs (the
 denoiser's is diffusers' _tp_plan), applied at shard time: `--tp N` for any N dividing the heads and widths
 (tests/test_qwen_image_21_tp.py). What is not wired yet is refused in validate() in one line each (Ulysses,
-batches, step caching, exact-length text, condition images).
+batches, step caching, exact-length text); condition images are refused on the neuron back end by their components'
+back ends (Component.backends).
 """
 
 from __future__ import annotations
@@ -17,9 +21,24 @@ from qic.family import Component
 from qic.host.schedule import check_scheduler_config
 from qic.models.qwen_image_21.denoiser import TP_PLAN as DENOISER_TP
 from qic.models.qwen_image_21.denoiser import DenoiserConfig, QwenImage21Denoiser, denoiser_state_dict
-from qic.models.qwen_image_21.graphs import DECODE, PREFILL, denoiser_graph, text_encoder_graph, vae_decoder_graph
-from qic.models.qwen_image_21.host.prompt import SYSTEM_MESSAGE, prompt_text
-from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE
+from qic.models.qwen_image_21.graphs import (
+    DECODE,
+    DECODE_IMAGES,
+    IMAGES,
+    PREFILL,
+    PREFILL_IMAGES,
+    condition_grid,
+    denoiser_graph,
+    prefix_sizes,
+    text_encoder_graph,
+    vae_decoder_graph,
+    vae_encoder_graph,
+    vision_graph,
+)
+from qic.models.qwen_image_21.host.processor import image_processor_settings
+from qic.models.qwen_image_21.host.prompt import IMAGE_PAD, SYSTEM_MESSAGE, prompt_text
+from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE, vision_grid
+from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS
 from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser
 from qic.models.qwen_image_21.text_encoder import TP_PLAN as TEXT_ENCODER_TP
 from qic.models.qwen_image_21.text_encoder import (
@@ -28,32 +47,67 @@ from qic.models.qwen_image_21.text_encoder import (
     TextEncoder21Config,
     text_encoder_state_dict,
 )
-from qic.models.qwen_image_21.vae import QwenImage21VAEDecoder, VAE21Config, vae21_decoder_state_dict
+from qic.models.qwen_image_21.vae import (
+    QwenImage21VAEDecoder,
+    QwenImage21VAEEncoder,
+    VAE21Config,
+    vae21_decoder_state_dict,
+    vae21_encoder_state_dict,
+)
+from qic.models.qwen_image_21.vision import BLOCK_PREFIX as VISION_BLOCKS
+from qic.models.qwen_image_21.vision import LoopedQwenImage21Vision, QwenImage21Vision, VisionConfig, vision_state_dict
 
 _HERE = __name__.rpartition(".")[0]
+# The condition components' graphs (and the images forms they feed) are not lowered and checked on XLA:CPU yet.
+_NOT_LOWERED_YET = ("inductor", "export")
 _SHARED = ("qic.models.common", "qic.models.looped")
 FAMILY = "Qwen-Image-2.1"
 
 
+def condition_slots(spec) -> int:
+    """The image slots a request's condition images may fill: --condition-images of the largest condition size
+    (one <|image_pad|> token per 2x2 latent tokens of the 16x VAE, as many as the tower's merged tokens)."""
+    if not spec.condition_sizes:
+        return 0
+    return spec.condition_images * max(h * w for h, w in spec.condition_sizes) // (VAE_SCALE ** 2 * SLOT_TOKENS)
+
+
 def _text_encoder_shapes(spec) -> list[dict]:
-    return [{"bucket": b} for b in spec.text_buckets]
+    slots = condition_slots(spec)
+    return [{"bucket": b} for b in spec.text_buckets] + \
+        [{"bucket": b, "part": IMAGES, "slots": slots} for b in spec.text_buckets if slots]
 
 
 def _denoiser_shapes(spec) -> list[dict]:
-    return [{"resolution": [h, w], "bucket": b, "part": part}
-            for h, w in spec.resolutions for b in spec.text_buckets for part in (PREFILL, DECODE)]
+    slots = condition_slots(spec)
+    parts = (PREFILL, DECODE) + ((PREFILL_IMAGES, DECODE_IMAGES) if slots else ())
+    return [{"resolution": [h, w], "bucket": b, "part": part} | ({"slots": slots} if "-" in part else {})
+            for h, w in spec.resolutions for b in spec.text_buckets for part in parts]
 
 
 def _vae_decoder_shapes(spec) -> list[dict]:
     return [{"resolution": [h, w]} for h, w in spec.resolutions]
 
 
+def _condition_shapes(spec) -> list[dict]:
+    return [{"resolution": [h, w]} for h, w in spec.condition_sizes]
+
+
+def _vision_graph(module, configs, shape, dtype, layout):
+    return vision_graph(module, *shape["resolution"], dtype)
+
+
+def _vae_encoder_graph(module, configs, shape, dtype, layout):
+    return vae_encoder_graph(module, *shape["resolution"])
+
+
 def _text_encoder_graph(module, configs, shape, dtype, layout):
-    return text_encoder_graph(module, shape["bucket"])
+    return text_encoder_graph(module, shape["bucket"], shape.get("slots", 0), dtype)
 
 
 def _denoiser_graph(module, configs, shape, dtype, layout):
-    return denoiser_graph(module, configs["denoiser"], *shape["resolution"], shape["bucket"], shape["part"], dtype)
+    return denoiser_graph(module, configs["denoiser"], *shape["resolution"], shape["bucket"], shape["part"], dtype,
+                          shape.get("slots", 0))
 
 
 def _vae_decoder_graph(module, configs, shape, dtype, layout):
@@ -74,6 +128,14 @@ def _vae_module(config, tp_size: int = 1, looped: bool = False):
     return QwenImage21VAEDecoder(config, 2 * config.scale_factor, 2 * config.scale_factor)
 
 
+def _vae_encoder_module(config, tp_size: int = 1, looped: bool = False):
+    return QwenImage21VAEEncoder(config, 2 * config.scale_factor, 2 * config.scale_factor)
+
+
+def _vision_module(config, tp_size: int = 1, looped: bool = False):
+    return (LoopedQwenImage21Vision if looped else QwenImage21Vision)(config)
+
+
 COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component("text_encoder", "text_encoder", TextEncoder21Config.from_dict, _text_encoder_module,
               text_encoder_state_dict, (f"{_HERE}.text_encoder", *_SHARED), _text_encoder_shapes,
@@ -86,6 +148,12 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component("vae_decoder", "vae", VAE21Config.from_dict, _vae_module, vae21_decoder_state_dict,
               (f"{_HERE}.vae", "qic.models.common"), _vae_decoder_shapes, _vae_decoder_graph,
               config_deps=("vae",), fixed_dtype="float32", neuron_model_type="unet-inference"),
+    Component("vision", "text_encoder", VisionConfig.from_dict, _vision_module, vision_state_dict,
+              (f"{_HERE}.vision", *_SHARED), _condition_shapes, _vision_graph, config_deps=("text_encoder",),
+              blocks=VISION_BLOCKS, neuron_model_type="transformer", conditions=True, backends=_NOT_LOWERED_YET),
+    Component("vae_encoder", "vae", VAE21Config.from_dict, _vae_encoder_module, vae21_encoder_state_dict,
+              (f"{_HERE}.vae", "qic.models.common"), _condition_shapes, _vae_encoder_graph, config_deps=("vae",),
+              fixed_dtype="float32", neuron_model_type="unet-inference", conditions=True, backends=_NOT_LOWERED_YET),
 )}
 
 
@@ -129,12 +197,46 @@ def validate(spec, ctx) -> None:
             raise ConfigError(f"resolution {h}x{w}: {FAMILY} sizes are multiples of {SIZE_MULTIPLE}",
                               f"use e.g. {h // SIZE_MULTIPLE * SIZE_MULTIPLE or SIZE_MULTIPLE}x"
                               f"{w // SIZE_MULTIPLE * SIZE_MULTIPLE or SIZE_MULTIPLE}")
+    _check_conditions(spec, ctx)
     if ctx.tokenizer is not None:
         need = len(ctx.tokenizer.encode(prompt_text(" ")).ids)
         for b in spec.text_buckets:
             if b < need:
                 raise ConfigError(f"text bucket {b} is too small for {FAMILY}'s prompt template ({need} tokens with "
                                   "an empty prompt)", f"use buckets >= {need}")
+
+
+def _check_conditions(spec, ctx) -> None:
+    """Condition sizes the pipeline can produce (multiples of 32) whose vision tokens are their image slots: the
+    processor's smart resize must keep the size (else the text holds more or fewer slots than the latents fill,
+    which the pipeline refuses too), with the tower's own patch and merge sizes."""
+    if not spec.condition_sizes:
+        return
+    proc = image_processor_settings(ctx.ckpt.tokenizer_dir)
+    vision = ctx.configs.get("vision")
+    text = ctx.configs.get("text_encoder")
+    if ctx.tokenizer is not None and text is not None:
+        pad = ctx.tokenizer.token_to_id(IMAGE_PAD)
+        if pad != text.image_token_id:
+            raise ConfigError(f"{ctx.ckpt.tokenizer_dir}: the tokenizer's {IMAGE_PAD} is {pad}; the text encoder's "
+                              f"config says image_token_id {text.image_token_id}")
+    for h, w in spec.condition_sizes:
+        if h % SIZE_MULTIPLE or w % SIZE_MULTIPLE:
+            raise ConfigError(f"condition size {h}x{w}: {FAMILY} resizes condition images to multiples of "
+                              f"{SIZE_MULTIPLE}", f"use e.g. {max(SIZE_MULTIPLE, h // SIZE_MULTIPLE * SIZE_MULTIPLE)}x"
+                              f"{max(SIZE_MULTIPLE, w // SIZE_MULTIPLE * SIZE_MULTIPLE)}")
+        if vision is None:
+            continue
+        if (proc["patch_size"], proc["merge_size"]) != (vision.patch_size, vision.spatial_merge_size):
+            raise ConfigError(f"{ctx.ckpt.tokenizer_dir}: the image processor's patch/merge sizes "
+                              f"{proc['patch_size']}/{proc['merge_size']} differ from the vision tower's "
+                              f"{vision.patch_size}/{vision.spatial_merge_size}")
+        grid = vision_grid(h, w, proc["patch_size"], proc["merge_size"], proc["min_pixels"], proc["max_pixels"])
+        if grid != condition_grid(vision, h, w):
+            p = proc["patch_size"]
+            raise ConfigError(f"condition size {h}x{w}: the image processor resizes it to {grid[0] * p}x{grid[1] * p} "
+                              f"(its pixel bounds {proc['min_pixels']}..{proc['max_pixels']}), so its vision tokens "
+                              "would not be its latents' image slots", "use a condition size within those bounds")
 
 
 def manifest_fields(spec, ctx) -> dict:
@@ -150,6 +252,10 @@ def manifest_fields(spec, ctx) -> dict:
         "sample_sigmas": index.get("sample_sigmas"),
         "latents": {"z_dim": vae.z_dim, "vae_scale_factor": VAE_SCALE},
         "denoiser": {"axes_dims_rope": list(ctx.configs["denoiser"].axes_dims_rope)},   # the host's RoPE tables
+        # the condition images a request may hold, and how the host resizes and normalises them for the tower
+        "conditions": {"sizes": [list(s) for s in spec.condition_sizes], "images": spec.condition_images,
+                       "slots": condition_slots(spec), "image_token_id": ctx.configs["text_encoder"].image_token_id,
+                       "processor": image_processor_settings(ctx.ckpt.tokenizer_dir) if spec.condition_sizes else None},
     }
 
 
@@ -157,18 +263,22 @@ def resident_state(spec, configs) -> list[tuple[str, int]]:
     """What the host program keeps between graph calls on one rank (qic plan): the prefix K/V cache of the largest
     (resolution, bucket) a request can use, [layers, 1, heads on this rank, bucket, head_dim] for K and for V, for
     each CFG branch this rank runs (both, unless CFG-parallel gives each group one). The target's resolution does
-    not change it: the prefix is the text."""
+    not change it: the prefix is the text, and with condition images their tokens too (graphs.prefix_sizes)."""
     from qic.dtypes import TORCH_DTYPES
     if "denoiser" not in spec.components:
         return []
     c = configs["denoiser"]
     heads = c.num_attention_heads // spec.tp
     item = TORCH_DTYPES[spec.dtype_of("denoiser")].itemsize
-    per_branch = 2 * c.num_layers * heads * max(spec.text_buckets) * c.attention_head_dim * item
+    slots = condition_slots(spec)
+    prefix = prefix_sizes(max(spec.text_buckets), slots)[2]
+    per_branch = 2 * c.num_layers * heads * prefix * c.attention_head_dim * item
     branches = 1 if spec.layout.cfg > 1 or True not in spec.cfg else 2
     what = "prefix K/V cache (" + ("one CFG branch a group" if spec.layout.cfg > 1 else
                                     f"{branches} CFG branch{'es' if branches > 1 else ''}") + \
-        f", text bucket {max(spec.text_buckets)})"
+        f", text bucket {max(spec.text_buckets)}" + \
+        (f" + {spec.condition_images} condition image{'s' if spec.condition_images > 1 else ''}: {prefix} tokens"
+         if slots else "") + ")"
     return [(what, branches * per_branch)]
 
 

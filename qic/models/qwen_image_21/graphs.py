@@ -8,6 +8,12 @@
 - denoiser@HxW@L<b>@decode:        target, timestep, k, v, key_valid, rope_cos / rope_sin [N, head_dim / 2]
                                    -> prediction [1, N, C]
 - vae_decoder@HxW:                 tokens [1, N, z] (normalised) -> image [1, 4, H, W] in [-1, 1] (RGBA)
+- vision@HxW (condition size):     pixels [3, H', W'] (the normalised RGB copy: sampling.vision_image, then
+                                   processor.vision_pixels; H', W' = the vision grid x patch)
+                                   -> image_embeds [n, out], deepstack_embeds [k, n, out]
+                                   (n = the grid's merged tokens = the image's slots)
+- vae_encoder@HxW (condition size): pixels [1, 4, H, W] in [-1, 1] (RGBA) -> tokens [1, (H/16)(W/16), z]
+  (normalised), fp32 whatever the build's dtype
 
 Text to image only, so the prefix is the text: its bucket P equals the text bucket T = b (the encoder's rows,
 the dropped system rows' worth of padding at the end, masked by key_valid). One call per CFG branch (batch 1):
@@ -24,9 +30,12 @@ from qic.builder.graphs import GraphDef
 from qic.dtypes import TORCH_DTYPES
 from qic.graph_names import graph_name
 from qic.models.qwen_image_21.host.sampling import VAE_SCALE
-from qic.models.qwen_image_21.vae import QwenImage21VAEDecoder
+from qic.models.qwen_image_21.vae import QwenImage21VAEDecoder, QwenImage21VAEEncoder
+from qic.models.qwen_image_21.vision import patchify
 
 PREFILL, DECODE = "prefill", "decode"
+IMAGES = "images"   # the condition-image forms: text_encoder@L<b>@images, denoiser@HxW@L<b>@{prefill,decode}-images
+PREFILL_IMAGES, DECODE_IMAGES = f"{PREFILL}-{IMAGES}", f"{DECODE}-{IMAGES}"
 
 
 class PrefillGraph(nn.Module):
@@ -38,6 +47,15 @@ class PrefillGraph(nn.Module):
         return self.model.prefill(text, None, target, timestep, index, block_ids, key_valid != 0, rope_cos, rope_sin)
 
 
+class PrefillImagesGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, text, cond, target, timestep, index, block_ids, key_valid, rope_cos, rope_sin):
+        return self.model.prefill(text, cond, target, timestep, index, block_ids, key_valid != 0, rope_cos, rope_sin)
+
+
 class DecodeGraph(nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -47,15 +65,55 @@ class DecodeGraph(nn.Module):
         return self.model.decode(target, timestep, k, v, key_valid != 0, rope_cos, rope_sin)
 
 
-def text_encoder_graph(module, bucket: int) -> GraphDef:
-    ids = torch.zeros(1, bucket, dtype=torch.long)
-    mask = torch.ones(1, bucket, dtype=torch.long)
-    return GraphDef(graph_name("text_encoder", bucket=bucket), "text_encoder", module,
-                    [("input_ids", ids), ("attention_mask", mask)], ["hidden_states"], shape={"bucket": bucket})
+class VisionGraph(nn.Module):
+    """The tower over one condition grid, patchifying in the graph (reshapes only), so the host hands it the
+    normalised image and the temporal repeat of a still image never crosses into the graph."""
+
+    def __init__(self, model, grid: tuple[int, int]):
+        super().__init__()
+        self.model, self.grid = model, grid
+
+    def forward(self, pixels):
+        return self.model(patchify(pixels, self.model.config), self.grid)
 
 
-def denoiser_graph(model, config, height: int, width: int, bucket: int, part: str, dtype: str) -> GraphDef:
+def text_encoder_graph(module, bucket: int, slots: int = 0, dtype: str = "float32") -> GraphDef:
+    """text_encoder@L<b>, or with `slots` (the condition images' capacity in <|image_pad|> tokens) the images form
+    text_encoder@L<b>@images over b + slots tokens: input_ids, attention_mask [1, b + slots], mRoPE position_ids
+    [3, b + slots], image_embeds [slots, hidden] and deepstack_embeds [k, slots, hidden] (the vision graphs'
+    outputs in prompt order, zero rows past the request's own)."""
+    if not slots:
+        ids = torch.zeros(1, bucket, dtype=torch.long)
+        mask = torch.ones(1, bucket, dtype=torch.long)
+        return GraphDef(graph_name("text_encoder", bucket=bucket), "text_encoder", module,
+                        [("input_ids", ids), ("attention_mask", mask)], ["hidden_states"], shape={"bucket": bucket})
+    cfg, n = module.config, bucket + slots
+    dt = TORCH_DTYPES[dtype]
+    inputs = [("input_ids", torch.zeros(1, n, dtype=torch.long)),
+              ("attention_mask", torch.ones(1, n, dtype=torch.long)),
+              ("position_ids", torch.arange(n)[None].expand(3, n).clone()),
+              ("image_embeds", torch.zeros(slots, cfg.hidden_size, dtype=dt)),
+              ("deepstack_embeds", torch.zeros(cfg.deepstack_layers, slots, cfg.hidden_size, dtype=dt))]
+    return GraphDef(graph_name("text_encoder", bucket=bucket, part=IMAGES), "text_encoder", module, inputs,
+                    ["hidden_states"], shape={"bucket": bucket, "part": IMAGES, "slots": slots})
+
+
+def prefix_sizes(bucket: int, slots: int) -> tuple[int, int, int]:
+    """(T, I, P) of a denoiser graph: the text-encoder rows it reads, the condition latent rows, the prefix length.
+    Text to image: T = P = b. With condition images: T = b + slots (the encoder's rows, image slots included),
+    I = 4 slots (each slot stands for 2x2 latent tokens), P = b + I (the text rows outside the slots, at most b,
+    then every condition token)."""
+    from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS
+    if not slots:
+        return bucket, 0, bucket
+    return bucket + slots, SLOT_TOKENS * slots, bucket + SLOT_TOKENS * slots
+
+
+def denoiser_graph(model, config, height: int, width: int, bucket: int, part: str, dtype: str,
+                   slots: int = 0) -> GraphDef:
+    """The prefill or decode graph; the -images parts take condition images up to `slots` image slots."""
     tokens = (height // VAE_SCALE) * (width // VAE_SCALE)
+    text_rows, cond_rows, prefix = prefix_sizes(bucket, slots if part in (PREFILL_IMAGES, DECODE_IMAGES) else 0)
     dt = TORCH_DTYPES[dtype]
     half = config.attention_head_dim // 2
     heads = config.num_attention_heads // model.tp_size   # this rank's
@@ -67,23 +125,26 @@ def denoiser_graph(model, config, height: int, width: int, bucket: int, part: st
         return torch.ones(n, half, dtype=torch.float32)
 
     step = [("target", act(1, tokens, config.in_features)), ("timestep", torch.full((1,), 0.5))]
-    valid = ("key_valid", torch.ones(1, bucket, dtype=torch.long))
-    if part == PREFILL:
-        module = PrefillGraph(model)
-        inputs = [("text", act(1, bucket, config.context_in_dim)), *step,
-                  ("index", torch.arange(bucket)), ("block_ids", torch.full((bucket,), -1, dtype=torch.long)),
-                  valid, ("rope_cos", rope(bucket + tokens)), ("rope_sin", rope(bucket + tokens))]
+    valid = ("key_valid", torch.ones(1, prefix, dtype=torch.long))
+    if part in (PREFILL, PREFILL_IMAGES):
+        module = PrefillGraph(model) if part == PREFILL else PrefillImagesGraph(model)
+        cond = [("cond", act(1, cond_rows, config.in_features))] if part == PREFILL_IMAGES else []
+        inputs = [("text", act(1, text_rows, config.context_in_dim)), *cond, *step,
+                  ("index", torch.arange(prefix) % (text_rows + cond_rows)),
+                  ("block_ids", torch.full((prefix,), -1, dtype=torch.long)),
+                  valid, ("rope_cos", rope(prefix + tokens)), ("rope_sin", rope(prefix + tokens))]
         outputs = ["prediction", "k", "v"]
-    elif part == DECODE:
+    elif part in (DECODE, DECODE_IMAGES):
         module = DecodeGraph(model)
-        cache = (config.num_layers, 1, heads, bucket, config.attention_head_dim)
+        cache = (config.num_layers, 1, heads, prefix, config.attention_head_dim)
         inputs = [*step, ("k", act(*cache)), ("v", act(*cache)), valid,
                   ("rope_cos", rope(tokens)), ("rope_sin", rope(tokens))]
         outputs = ["prediction"]
     else:
         raise ValueError(f"unknown denoiser graph {part!r}")
+    shape = {"resolution": [height, width], "bucket": bucket, "part": part} | ({"slots": slots} if cond_rows else {})
     return GraphDef(graph_name("denoiser", (height, width), bucket, part=part), "denoiser", module, inputs, outputs,
-                    shape={"resolution": [height, width], "bucket": bucket, "part": part}, weight_prefix="model.",
+                    shape=shape, weight_prefix="model.",
                     sample=lambda: denoiser_sample(config, inputs, (height // VAE_SCALE, width // VAE_SCALE), bucket))
 
 
@@ -125,3 +186,26 @@ def vae_decoder_graph(weights_module, height: int, width: int) -> GraphDef:
     tokens = torch.zeros(1, (height // VAE_SCALE) * (width // VAE_SCALE), module.config.z_dim)
     return GraphDef(graph_name("vae_decoder", (height, width)), "vae_decoder", module, [("tokens", tokens)],
                     ["image"], shape={"resolution": [height, width]})
+
+
+def condition_grid(config, height: int, width: int) -> tuple[int, int]:
+    """The vision grid (patches) of a condition image at its VAE-side size: the size itself in patches, which the
+    family's validate checks the processor's resize keeps (its image slots then match the latent tokens)."""
+    return height // config.patch_size, width // config.patch_size
+
+
+def vision_graph(module, height: int, width: int, dtype: str) -> GraphDef:
+    grid = condition_grid(module.config, height, width)
+    p = module.config.patch_size
+    pixels = torch.zeros(3, grid[0] * p, grid[1] * p, dtype=TORCH_DTYPES[dtype])
+    return GraphDef(graph_name("vision", (height, width)), "vision", VisionGraph(module, grid), [("pixels", pixels)],
+                    ["image_embeds", "deepstack_embeds"], shape={"resolution": [height, width]}, weight_prefix="model.")
+
+
+def vae_encoder_graph(weights_module, height: int, width: int) -> GraphDef:
+    # One module per condition size, sharing the bound weights (as the decoder's per resolution).
+    module = QwenImage21VAEEncoder(weights_module.config, height, width)
+    module.load_state_dict(weights_module.state_dict(), strict=True, assign=True)
+    pixels = torch.zeros(1, 4, height, width)
+    return GraphDef(graph_name("vae_encoder", (height, width)), "vae_encoder", module, [("pixels", pixels)],
+                    ["tokens"], shape={"resolution": [height, width]})

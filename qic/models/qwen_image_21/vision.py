@@ -99,25 +99,6 @@ def vision_state_dict(names_to_tensors: Mapping) -> dict:
     return {k: t for k, t in names_to_tensors.items() if k.startswith("model.visual.")}
 
 
-# The image processor's normalisation when the checkpoint's preprocessor config does not say (Qwen3-VL's
-# published preprocessor_config.json: mean = std = 0.5; 2.1's own was not found: pass the checkpoint's values).
-IMAGE_MEAN = (0.5, 0.5, 0.5)
-IMAGE_STD = (0.5, 0.5, 0.5)
-
-
-def vision_pixels(image, grid: tuple[int, int], cfg: VisionConfig, mean=IMAGE_MEAN, std=IMAGE_STD) -> torch.Tensor:
-    """An RGB PIL image -> the normalised [3, gh * patch, gw * patch] float32 image the processor patchifies
-    (grid (gh, gw) from qic.models.qwen_image_21.host.sampling.vision_grid): PIL bicubic resize of the uint8 image,
-    scaled by 1/255, then (x - mean) / std per channel, as Qwen2VLImageProcessorPil does. Host side."""
-    import numpy as np
-    from PIL import Image
-    gh, gw = grid
-    resized = image.convert("RGB").resize((gw * cfg.patch_size, gh * cfg.patch_size), Image.Resampling.BICUBIC)
-    x = np.asarray(resized).astype(np.float32).transpose(2, 0, 1) * np.float32(1 / 255)
-    x = (x - np.asarray(mean, np.float32)[:, None, None]) / np.asarray(std, np.float32)[:, None, None]
-    return torch.from_numpy(np.ascontiguousarray(x))
-
-
 def patchify(image: torch.Tensor, cfg: VisionConfig) -> torch.Tensor:
     """A normalised image [C, H, W] (H, W multiples of patch * merge) -> the processor's pixel_values
     [grid_h * grid_w, C * temporal_patch * patch * patch]: merge-block order, the still image repeated over the

@@ -34,18 +34,27 @@ from PIL import Image
 from qic.errors import ConfigError
 from qic.host.options import request_class
 from qic.host.prompt import pick_bucket
-from qic.models.qwen_image_21.host.prompt import prompt_text
+from qic.models.qwen_image_21.host.conditions import Conditions, condition_sizes, encode_conditions, read_images
+from qic.models.qwen_image_21.host.prompt import IMAGE_PAD, expand_image_pads, mrope_positions, prompt_text
 from qic.models.qwen_image_21.host.sampling import (
     DEFAULT_STEPS,
+    OUTPUT_RESOLUTION,
     VAE_SCALE,
     base_sigmas,
     image_seq_len,
     initial_noise,
     model_timesteps,
+    output_size,
     schedule,
     to_images,
 )
-from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
+from qic.models.qwen_image_21.host.sequence import (
+    SLOT_TOKENS,
+    TEXT,
+    JointSequence,
+    prefix_inputs,
+    rope_tables,
+)
 from qic.parallel.mesh import from_each_branch
 
 # One image's run options: the rows of qic.host.options this program takes (steps None: the checkpoint's
@@ -53,7 +62,8 @@ from qic.parallel.mesh import from_each_branch
 # kv_cache None or True: the prefix K/V kept, False: the prefill at every step, the pipeline's use_kv_cache=False).
 Request = request_class("Request", __name__, [],
                         "One Qwen-Image-2.1 image's run options (the rows of qic.host.options it takes).",
-                        only=("negative_prompt", "steps", "guidance", "seed", "height", "width", "kv_cache"))
+                        only=("negative_prompt", "steps", "guidance", "seed", "height", "width", "kv_cache", "image",
+                              "output_resolution"))
 
 
 @dataclass
@@ -76,7 +86,8 @@ class _Branch:
     kv: tuple | None = None
 
 
-def _defaults(model, req: Request) -> Request:
+def _defaults(model, req: Request, images: list) -> tuple[Request, list]:
+    """The request with the bundle's (else the pipeline's) defaults filled in, and the condition images' sizes."""
     d = model.defaults
     sample = model.manifest.get("sample_sigmas")
     if req.steps is None:
@@ -88,65 +99,97 @@ def _defaults(model, req: Request) -> Request:
         req.guidance = d.get("guidance", 1.0)
     if req.seed is None:
         req.seed = 0
-    if req.height is None and req.width is None:
+    if req.output_resolution is None:
+        req.output_resolution = d.get("output_resolution", OUTPUT_RESOLUTION)
+    sizes = condition_sizes(images, model.manifest["conditions"], req.output_resolution) if images else []
+    if images and (req.height is None or req.width is None):
+        # the pipeline's: the last condition image's aspect at output_resolution**2 pixels, what is given kept
+        req.height, req.width = output_size(req.output_resolution, images[-1].size[::-1], req.height, req.width)
+    elif req.height is None and req.width is None:
         req.height, req.width = model.resolutions[0]
     model.check_resolution(req.height, req.width)
-    return req
+    return req, sizes
 
 
-def _ids(model, prompt: str) -> list[int]:
-    return model.tokenizer.encode(prompt_text(prompt)).ids
+def _ids(model, prompt: str, cond: Conditions | None = None) -> list[int]:
+    if cond is None:
+        return model.tokenizer.encode(prompt_text(prompt)).ids
+    text = expand_image_pads(prompt_text(prompt, len(cond.grids)), cond.vision_grids, cond.merge_size)
+    ids = model.tokenizer.encode(text).ids
+    if ids.count(cond.image_token_id) != cond.used_slots:   # the tokenizer must keep <|image_pad|> one token
+        raise ConfigError(f"the bundle's tokenizer splits {IMAGE_PAD}: {ids.count(cond.image_token_id)} image tokens "
+                          f"for {cond.used_slots} slots")
+    return ids
 
 
-def _branch(model, encoder, ids: list[int], bucket: int, target: tuple[int, int], axes) -> _Branch:
+def _branch(model, encoder, ids: list[int], bucket: int, target: tuple[int, int], axes,
+            cond: Conditions | None = None) -> _Branch:
+    """One branch's text rows and sequence tensors. With condition images the encoder graph is the images form,
+    over bucket + slots tokens, and the prefix interleaves the text rows with the images' latent tokens where the
+    encoder reserved their slots (sequence.JointSequence.from_slots)."""
     drop = model.prompt["drop_tokens"]
-    padded = torch.zeros(1, bucket, dtype=torch.long)
+    slots = cond.slots if cond is not None else 0
+    length = bucket + slots
+    padded = torch.zeros(1, length, dtype=torch.long)
     padded[0, :len(ids)] = torch.tensor(ids)
-    mask = (torch.arange(bucket) < len(ids)).long()[None]
-    hidden = encoder(padded, mask)[0]
+    mask = (torch.arange(length) < len(ids)).long()[None]
+    if cond is None:
+        hidden = encoder(padded, mask)[0]
+    else:
+        positions = mrope_positions(ids, cond.image_token_id, cond.vision_grids, cond.merge_size, length=length)
+        hidden = encoder(padded, mask, positions, cond.embeds, cond.deepstack)[0]
     rows = len(ids) - drop
     text = torch.zeros_like(hidden)
     text[:, :rows] = hidden[:, drop:len(ids)]
-    seq = JointSequence(((TEXT, rows),), target)
-    index, block_ids, key_valid = prefix_inputs(seq, bucket, bucket)
-    cos, sin = rope_tables(axes, seq, bucket)
+    if cond is None:
+        seq = JointSequence(((TEXT, rows),), target)
+    else:
+        seq = JointSequence.from_slots([i == cond.image_token_id for i in ids[drop:]], cond.grids, target)
+    text_rows, prefix = length, bucket + SLOT_TOKENS * slots
+    index, block_ids, key_valid = prefix_inputs(seq, prefix, text_rows)
+    cos, sin = rope_tables(axes, seq, prefix)
     return _Branch(text, index, block_ids, key_valid.long(), cos, sin)
 
 
 def generate(model, req: Request) -> Result:
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    req = _defaults(model, req)
+    images = read_images(req.image, model.manifest.get("conditions") or {})
+    req, sizes = _defaults(model, req, images)
     h, w = req.height, req.width
     cfg = req.guidance > 1 and req.negative_prompt is not None
     prompts = [req.prompt] + ([req.negative_prompt] if cfg else [])
-    ids = [_ids(model, p) for p in prompts]
-    bucket = pick_bucket(max(len(i) for i in ids), model.buckets)
     timings["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    encoder = model.graph("text_encoder", bucket=bucket)
+    cond = encode_conditions(model, images, sizes) if images else None
+    ids = [_ids(model, p, cond) for p in prompts]
+    # the bucket holds the prompt's own tokens; the images' slots are the images form's extra length
+    bucket = pick_bucket(max(len(i) for i in ids) - (cond.used_slots if cond else 0), model.buckets)
+    encoder = model.graph("text_encoder", bucket=bucket, part="images" if cond else None)
     grid = (h // VAE_SCALE, w // VAE_SCALE)
     axes = model.manifest["denoiser"]["axes_dims_rope"]
     split = cfg and model.layout.cfg > 1          # CFG-parallel: this rank's CFG group runs one branch
     mine = [ids[model.coords["cfg"]]] if split else ids
-    branches = [_branch(model, encoder, i, bucket, grid, axes) for i in mine]
+    branches = [_branch(model, encoder, i, bucket, grid, axes, cond) for i in mine]
     timings["encode"] = time.perf_counter() - t
 
     sigmas = base_sigmas(model.manifest.get("sample_sigmas"), req.steps)
     sched = schedule(model.scheduler, sigmas, image_seq_len(h, w))
     timesteps = model_timesteps(sched)
     latents = initial_noise(req.seed, model.latents["z_dim"], h, w)
-    prefill = model.graph("denoiser", (h, w), bucket, part="prefill")
-    decode = model.graph("denoiser", (h, w), bucket, part="decode")
-    n = bucket
+    suffix = "-images" if cond else ""
+    prefill = model.graph("denoiser", (h, w), bucket, part="prefill" + suffix)
+    decode = model.graph("denoiser", (h, w), bucket, part="decode" + suffix)
+    n = len(branches[0].index)    # the prefix length P: the RoPE tables' target rows follow it
+    extra = (cond.latents,) if cond else ()
     for i in range(len(timesteps)):
         t = time.perf_counter()
         ts = timesteps[i:i + 1]
         preds = []
         for b in branches:
             if b.kv is None or req.kv_cache is False:
-                pred, k, v = prefill(b.text, latents, ts, b.index, b.block_ids, b.key_valid, b.cos, b.sin)
+                pred, k, v = prefill(b.text, *extra, latents, ts, b.index, b.block_ids, b.key_valid, b.cos, b.sin)
                 b.kv = (k, v)
             else:
                 (pred,) = decode(latents, ts, *b.kv, b.key_valid, b.cos[n:], b.sin[n:])
