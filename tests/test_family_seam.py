@@ -195,8 +195,10 @@ print("MODULES", " ".join(sorted(m for m in sys.modules if m.startswith("toy_fam
     assert np.abs(image - _expected(weights, 8)).max() > 1
     assert np.abs(image - _expected({k: -v for k, v in weights.items()}, 7)).max() > 1
 
-    # The bundle is the toy's: qic serve, whose endpoints are text-to-image requests, refuses it in one line.
-    one_line_refusal(qic("serve", out, check=False, env=env), "host program is toy_family.host", "qic run")
+    # qic serve runs a bundle's host program, which must admit requests (`plan`); the toy's has none, so serve
+    # refuses it in one line before loading anything.
+    one_line_refusal(qic("serve", out, check=False, env=env), "host program (toy_family.host) has no `plan`",
+                     "qic run")
 
 
 def test_a_back_end_the_family_does_not_list_is_refused_before_any_work(tmp_path):

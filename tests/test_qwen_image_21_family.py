@@ -62,8 +62,36 @@ def test_build_picks_the_family_and_holds_prefill_and_decode_graphs(bundle):
     assert [g["name"] for g in m["graphs"]] == ["text_encoder@L64", "denoiser@64x64@L64@prefill",
                                                 "denoiser@64x64@L64@decode", "vae_decoder@64x64"]
     assert m["tokenizer"] == "tokenizer" and (bundle / "tokenizer" / "vocab.json").is_file()
-    # qic serve's endpoints are text-to-image requests of qic.runtime.generate: it refuses this bundle in one line.
-    one_line_refusal(qic("serve", bundle, check=False), "host program is qic.models.qwen_image_21.host", "qic run")
+
+
+@pytest.mark.slow
+def test_qic_serve_runs_the_family_program_and_sends_qic_runs_png(bundle, tmp_path):
+    """qic serve names no family: it runs the bundle's host program (plan, then generate), so a 2.1 bundle serves
+    the PNG `qic run` writes for the same settings, and refuses an option its program does not take by name."""
+    import base64
+
+    from qic.serve.client import request
+    from tests.test_serve import ServeProcess
+    srv = ServeProcess(bundle, tmp_path / "serve.log")
+    try:
+        settings = {"negative_prompt": NEGATIVE, "guidance": GUIDANCE, "seed": SEED, "steps": STEPS}
+        status, _, body = request(srv.port, "POST", "/v1/images/generations", {"prompt": PROMPT, **settings},
+                                  timeout=300)
+        assert status == 200, body
+        served = base64.b64decode(body["data"][0]["b64_json"])
+        status, _, refused = request(srv.port, "POST", "/v1/images/generations",
+                                     {"prompt": PROMPT, "cache_threshold": 0.1})
+        assert status == 400 and refused["error"]["param"] == "cache_threshold", refused
+        assert "take no such option" in refused["error"]["message"]
+        status, _, refused = request(srv.port, "POST", "/v1/images/generations", {"prompt": PROMPT, "steps": 5000})
+        assert status == 400, refused   # checked by its row as qic run checks it
+    finally:
+        srv.close()
+    assert srv.proc.returncode == 0, srv.log_path.read_text()
+    png = tmp_path / "run.png"
+    qic("run", bundle, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED,
+        "--steps", STEPS, "--output", png)
+    assert served == png.read_bytes()
 
 
 def test_qic_run_draws_the_pipelines_image_with_true_cfg_and_kv_cache(bundle, pipe, tmp_path):

@@ -26,6 +26,7 @@ import pytest
 from PIL import Image
 
 from qic.errors import ConfigError
+from qic.runtime import generate as generate_program
 from qic.serve.client import request
 from qic.serve.queue import Job, take_group
 from tests.conftest import BUCKETS, QIC, ROOT, TINY_RES, qic
@@ -50,6 +51,8 @@ class FakeRunner:
     model_id = "fake"
     created = 0
     sizes = {SIZE: TINY_RES}
+    program = generate_program   # the text-to-image program's Request: what the HTTP fields make
+    Request = generate_program.Request
 
     def __init__(self, batch_sizes=(1,), seconds: float = 0.0):
         self.batch_sizes = batch_sizes

@@ -25,16 +25,14 @@ from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 PEER_DIED = signal.SIGUSR1
 
 
-SERVES = "qic.runtime.generate"   # the host program the image endpoints are made of: text-to-image
-
-
 def _check_servable(manifest: dict) -> None:
-    """The endpoints are the text-to-image program's requests (qic.serve.runner): a bundle whose family runs
-    another host program is refused in one line, before any rank starts."""
-    host = (manifest.get("family") or {}).get("host")
-    if host != SERVES:
-        raise ConfigError(f"qic serve serves text-to-image bundles ({SERVES}); this bundle's host program is {host}",
-                          "run it with `qic run`")
+    """The endpoints run the bundle's host program (qic.serve.runner), which must be able to admit a request
+    (`plan`, qic.runtime.programs); one that cannot is refused in one line, before any rank starts."""
+    from qic.runtime.programs import program_of, serving
+    program = program_of(manifest)
+    if not serving(program):
+        raise ConfigError(f"this bundle's host program ({program.__name__}) has no `plan`, so qic serve cannot "
+                          "admit its requests", "run it with `qic run`")
 
 
 def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, load: dict | None = None) -> None:

@@ -87,6 +87,13 @@ def generate(bundle: Runnable, req: Request) -> Result:
     return generate_batch(bundle, [req])[0]
 
 
+def plan(bundle: Runnable, req: Request) -> tuple:
+    """qic serve's admission of a request (qic.runtime.programs): checked as a run would check it, its defaults
+    filled in, and its batch key; requests with equal keys may share a batch of the bundle's batch sizes."""
+    validate(req, bundle)
+    return batch_key(req, text_plan(bundle, req))
+
+
 def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     """Run compatible requests (equal `batch_key`) as one batch through the graphs of that batch size
     (the batch-1 graphs for one request; `@B<n>` graphs, built by `batch_sizes`, for n). Each request

@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
 from qic.errors import QicError
-from qic.host.options import HTTP, given_at
-from qic.runtime.generate import Request as GenRequest
+from qic.host.options import BY_NAME, HTTP, given_at
 from qic.runtime.png import step_cache_of
 from qic.serve.queue import QueueFull, Scheduler, Unavailable
 from qic.serve.settings import Settings
@@ -72,8 +71,9 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI:
-    """runner: .plan(GenRequest) -> batch key (raises QicError), .run(list) -> list of PNG bytes,
-    .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes; optionally .executor, the thread to run on.
+    """runner: .Request (the bundle's host program's), .program, .plan(request) -> batch key (raises QicError),
+    .run(list) -> list of PNG bytes, .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes; optionally
+    .executor, the thread to run on.
 
     The runner is gone for good when its run raises queue.Unavailable or app.state.fail(reason) is called
     (from any thread or a signal handler): /health answers 503 and every queued, running and later image
@@ -229,10 +229,16 @@ def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
     else:
         raise ApiError(400, f"size {body.size!r} is not in this bundle; it has: {', '.join(runner.sizes)} "
                             "(WIDTHxHEIGHT) or auto", "size")
+    # Fields the bundle's host program takes; one it does not take, given, is refused by name (never dropped).
+    takes = runner.Request.__dataclass_fields__
+    for k in _REQUEST_FIELDS:
+        if k not in takes and getattr(body, k) is not None and getattr(body, k) != BY_NAME[k].default:
+            raise ApiError(400, f"{k}: this model's runs take no such option (its host program is "
+                                f"{runner.program.__name__})", k)
+    fields = {k: getattr(body, k) for k in _REQUEST_FIELDS if k in takes}
     items = []
     for i in range(body.n):
-        req = GenRequest(**{k: getattr(body, k) for k in _REQUEST_FIELDS} | dict(seed=body.seed + i, height=height,
-                                                                                  width=width))
+        req = runner.Request(**fields | dict(seed=body.seed + i, height=height, width=width))
         try:
             key = runner.plan(req)
         except QicError as e:

@@ -1,10 +1,10 @@
 """The server's view of a loaded bundle: what it serves, how a request is checked, and running it.
 
-Images come from the runtime's own `generate_batch` and `png_bytes`: a batch of one is exactly `qic run`'s
-`generate`, and a batch of n (through the bundle's `@B<n>` graphs) gives each request the image it would
-get alone (see tests/test_batching.py for the bound). With tensor parallelism, rank 0 serves HTTP and sends
-each batch to the other ranks over a control process group before running it; every rank then runs
-the same `generate_batch`, whose graphs all-reduce among them.
+Images come from the bundle's own host program (qic.runtime.programs: the family's, as `qic run` runs it) and
+`png_bytes`: a batch of one is exactly `qic run`'s `generate`, and a batch of n (text to image, through the
+bundle's `@B<n>` graphs) gives each request the image it would get alone (see tests/test_batching.py for the
+bound). With tensor parallelism, rank 0 serves HTTP and sends each batch to the other ranks over a control process
+group before running it; every rank then runs the same batch, whose graphs all-reduce among them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from qic.runtime.bundle import Bundle
-from qic.runtime.generate import Request, batch_key, generate_batch, text_plan, validate
 from qic.runtime.png import png_bytes
+from qic.runtime.programs import program_of, run_batch
 from qic.serve.queue import Unavailable
 
 
@@ -73,28 +73,29 @@ def follow(bundle: Bundle, group) -> None:
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             return
-        generate_batch(bundle, box[0])
+        run_batch(program_of(bundle.manifest), bundle, box[0])
 
 
 class BundleRunner:
     def __init__(self, bundle: Bundle, group=None, executor: ThreadPoolExecutor | None = None):
         self.bundle = bundle
+        self.program = program_of(bundle.manifest)   # the family's host program, as qic run runs it
+        self.Request = self.program.Request
         self.group = group   # the control group when tensor-parallel
         self.executor = executor   # the thread the bundle was loaded and warmed on; run() is called there
         # The served model is named after the bundle directory (what the operator chose to deploy).
         self.model_id = bundle.path.resolve().name
         self.created = int(bundle.path.joinpath("manifest.json").stat().st_mtime)
-        self.batch_sizes = manifest_batch_sizes(bundle.manifest)   # all run: generate_batch takes any of them
+        self.batch_sizes = manifest_batch_sizes(bundle.manifest)   # all run: the program's batches take any
         # OpenAI sizes are WIDTHxHEIGHT; the bundle lists (height, width).
         self.sizes = {f"{w}x{h}": (h, w) for h, w in bundle.resolutions}
 
-    def plan(self, req: Request) -> tuple:
+    def plan(self, req) -> tuple:
         """Check a request against the bundle (ConfigError if it cannot run) and return its batch key:
         requests with equal keys run the same graphs with the same scalars' shapes."""
-        validate(req, self.bundle)
-        return batch_key(req, text_plan(self.bundle, req))
+        return self.program.plan(self.bundle, req)
 
-    def run(self, reqs: list[Request]) -> list[bytes]:
+    def run(self, reqs: list) -> list[bytes]:
         if len(reqs) not in self.batch_sizes:
             raise RuntimeError(f"batch of {len(reqs)}: this runner runs {self.batch_sizes}")
         if self.group is None:
@@ -108,8 +109,9 @@ class BundleRunner:
             # broke (a rank died). Either way the ranks are out of step for good.
             raise Unavailable(f"a tensor-parallel batch failed ({type(e).__name__}: {e})") from e
 
-    def _run(self, reqs: list[Request]) -> list[bytes]:
-        return [png_bytes(r, self.bundle.id, self.bundle.weights_id) for r in generate_batch(self.bundle, reqs)]
+    def _run(self, reqs: list) -> list[bytes]:
+        return [png_bytes(r, self.bundle.id, self.bundle.weights_id)
+                for r in run_batch(self.program, self.bundle, reqs)]
 
     def close(self) -> None:
         """Release the other ranks (tensor-parallel): nothing more will come."""

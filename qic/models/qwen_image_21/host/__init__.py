@@ -111,15 +111,39 @@ def _defaults(model, req: Request, images: list) -> tuple[Request, list]:
     return req, sizes
 
 
-def _ids(model, prompt: str, cond: Conditions | None = None) -> list[int]:
-    if cond is None:
-        return model.tokenizer.encode(prompt_text(prompt)).ids
-    text = expand_image_pads(prompt_text(prompt, len(cond.grids)), cond.vision_grids, cond.merge_size)
-    ids = model.tokenizer.encode(text).ids
-    if ids.count(cond.image_token_id) != cond.used_slots:   # the tokenizer must keep <|image_pad|> one token
-        raise ConfigError(f"the bundle's tokenizer splits {IMAGE_PAD}: {ids.count(cond.image_token_id)} image tokens "
-                          f"for {cond.used_slots} slots")
-    return ids
+def _ids(model, prompt: str) -> list[int]:
+    return model.tokenizer.encode(prompt_text(prompt)).ids
+
+
+def _tokens(model, req: Request, sizes: list[tuple[int, int]]) -> tuple[list[list[int]], int, bool]:
+    """Each CFG branch's token ids (the prompt, then the negative prompt when true CFG is on), the text bucket and
+    whether CFG is on. With condition images the ti2i template, each image's <|image_pad|> expanded to its vision
+    tokens (its slots); the bucket holds the prompt's own tokens, the slots being the images form's extra length."""
+    cfg = req.guidance > 1 and req.negative_prompt is not None
+    prompts = [req.prompt] + ([req.negative_prompt] if cfg else [])
+    if not sizes:
+        ids = [_ids(model, p) for p in prompts]
+        return ids, pick_bucket(max(map(len, ids)), model.buckets), cfg
+    cond = model.manifest["conditions"]
+    patch, merge = cond["processor"]["patch_size"], cond["processor"]["merge_size"]
+    grids = [(1, h // patch, w // patch) for h, w in sizes]
+    slots = sum(g[1] * g[2] // merge ** 2 for g in grids)
+    ids = [model.tokenizer.encode(expand_image_pads(prompt_text(p, len(grids)), grids, merge)).ids for p in prompts]
+    for i in ids:
+        if i.count(cond["image_token_id"]) != slots:   # the tokenizer must keep <|image_pad|> one token
+            raise ConfigError(f"the bundle's tokenizer splits {IMAGE_PAD}: {i.count(cond['image_token_id'])} image "
+                              f"tokens for {slots} slots")
+    return ids, pick_bucket(max(map(len, ids)) - slots, model.buckets), cfg
+
+
+def plan(model, req: Request) -> tuple:
+    """qic serve's admission of a request (qic.runtime.programs): checked as generate checks it before any graph
+    runs (steps against the checkpoint's sample_sigmas, the size, the images, the prompt against the buckets), its
+    defaults filled in. 2.1 bundles are batch 1, so each request is a batch of its own: its key is its own."""
+    images = read_images(req.image, model.manifest.get("conditions") or {})
+    req, sizes = _defaults(model, req, images)
+    _tokens(model, req, sizes)
+    return ("request", id(req))
 
 
 def _branch(model, encoder, ids: list[int], bucket: int, target: tuple[int, int], axes,
@@ -157,15 +181,11 @@ def generate(model, req: Request) -> Result:
     images = read_images(req.image, model.manifest.get("conditions") or {})
     req, sizes = _defaults(model, req, images)
     h, w = req.height, req.width
-    cfg = req.guidance > 1 and req.negative_prompt is not None
-    prompts = [req.prompt] + ([req.negative_prompt] if cfg else [])
+    ids, bucket, cfg = _tokens(model, req, sizes)
     timings["tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
     cond = encode_conditions(model, images, sizes) if images else None
-    ids = [_ids(model, p, cond) for p in prompts]
-    # the bucket holds the prompt's own tokens; the images' slots are the images form's extra length
-    bucket = pick_bucket(max(len(i) for i in ids) - (cond.used_slots if cond else 0), model.buckets)
     encoder = model.graph("text_encoder", bucket=bucket, part="images" if cond else None)
     grid = (h // VAE_SCALE, w // VAE_SCALE)
     axes = model.manifest["denoiser"]["axes_dims_rope"]
