@@ -304,6 +304,11 @@ def test_bad_images_are_refused_in_one_line_and_nothing_is_written(cond_export, 
         r = qic("run", target, *base, *[a for p in images for a in ("--image", p)], check=False)
         assert r.returncode == 2 and message in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) <= 2 and not out.exists()
+    # --nearest-condition-size fits the wide picture to the nearest built size instead; the PNG says so
+    qic("run", cond_export[0], *base, "--height", Q21_SIZE[0], "--width", Q21_SIZE[1], "--image", wide,
+        "--nearest-condition-size", "--steps", 2)
+    assert Image.open(out).text["conditions"] == "288x352 (image 1: 192x544 -> 288x352)"
+    out.unlink()
     # a prompts-file line's image: a path or a list of paths, nothing else
     lines = tmp_path / "prompts.jsonl"
     lines.write_text(json.dumps({"prompt": PROMPT, "image": 3}) + "\n")

@@ -115,6 +115,9 @@ OPTIONS: tuple[RunOption, ...] = (
     RunOption("image", list, "Reference (condition) image file; repeat for several, in prompt order (Qwen-Image-2.1 "
               "bundles built with --condition-size).", where=NOT_HTTP, opt_in=True, what="an image file path or a "
               "list of them"),
+    RunOption("nearest_condition_size", bool, "Qwen-Image-2.1: a condition image whose size the bundle was not "
+              "built for is resized to the built condition size nearest its aspect instead of refused (the PNG's "
+              "text records the sizes used).", where=NOT_HTTP, opt_in=True),
     RunOption("output_resolution", int, "Qwen-Image-2.1: condition images are resized to about its square in "
               "pixels at their aspect, and the output size follows the last one (default: the bundle's, else 1024).",
               minimum=32, where=NOT_HTTP, opt_in=True, bundle_default=True),

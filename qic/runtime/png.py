@@ -29,6 +29,8 @@ def png_bytes(result, bundle_id: str, weights_id: str | None = None) -> bytes:
         info.add_itxt(key, "" if value is None else str(value))
     if weights_id:
         info.add_itxt("weights", weights_id)
+    if getattr(result, "conditions", None):   # reference images: the sizes they ran at (a fit to the nearest noted)
+        info.add_itxt("conditions", result.conditions)
     if getattr(result, "computed", None) is not None:   # step caching: its settings, the steps each branch computed
         from qic.host.cache_policy import computed_line
         info.add_itxt("step_cache", f"{req.cache.describe()}; computed: {computed_line(result.computed, req.steps)}")

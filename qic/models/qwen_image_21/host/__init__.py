@@ -63,7 +63,7 @@ from qic.parallel.mesh import from_each_branch
 Request = request_class("Request", __name__, [],
                         "One Qwen-Image-2.1 image's run options (the rows of qic.host.options it takes).",
                         only=("negative_prompt", "steps", "guidance", "seed", "height", "width", "kv_cache", "image",
-                              "output_resolution"))
+                              "output_resolution", "nearest_condition_size"))
 
 
 @dataclass
@@ -72,6 +72,9 @@ class Result:
     request: Request
     timings: dict = field(default_factory=dict)
     bucket: int = 0
+    # the condition images' sizes as run ("320x320, 288x352"; what the PNG's text records), with a note per image
+    # fitted to the nearest built size
+    conditions: str | None = None
 
 
 @dataclass
@@ -86,8 +89,9 @@ class _Branch:
     kv: tuple | None = None
 
 
-def _defaults(model, req: Request, images: list) -> tuple[Request, list]:
-    """The request with the bundle's (else the pipeline's) defaults filled in, and the condition images' sizes."""
+def _defaults(model, req: Request, images: list) -> tuple[Request, list, list]:
+    """The request with the bundle's (else the pipeline's) defaults filled in, the condition images' sizes, and a
+    note per image fitted to the nearest built size (--nearest-condition-size)."""
     d = model.defaults
     sample = model.manifest.get("sample_sigmas")
     if req.steps is None:
@@ -101,14 +105,15 @@ def _defaults(model, req: Request, images: list) -> tuple[Request, list]:
         req.seed = 0
     if req.output_resolution is None:
         req.output_resolution = d.get("output_resolution", OUTPUT_RESOLUTION)
-    sizes = condition_sizes(images, model.manifest["conditions"], req.output_resolution) if images else []
+    sizes, fitted = (condition_sizes(images, model.manifest["conditions"], req.output_resolution,
+                                     bool(req.nearest_condition_size)) if images else ([], []))
     if images and (req.height is None or req.width is None):
         # the pipeline's: the last condition image's aspect at output_resolution**2 pixels, what is given kept
         req.height, req.width = output_size(req.output_resolution, images[-1].size[::-1], req.height, req.width)
     elif req.height is None and req.width is None:
         req.height, req.width = model.resolutions[0]
     model.check_resolution(req.height, req.width)
-    return req, sizes
+    return req, sizes, fitted
 
 
 def _ids(model, prompt: str) -> list[int]:
@@ -141,7 +146,7 @@ def plan(model, req: Request) -> tuple:
     runs (steps against the checkpoint's sample_sigmas, the size, the images, the prompt against the buckets), its
     defaults filled in. 2.1 bundles are batch 1, so each request is a batch of its own: its key is its own."""
     images = read_images(req.image, model.manifest.get("conditions") or {})
-    req, sizes = _defaults(model, req, images)
+    req, sizes, _ = _defaults(model, req, images)
     _tokens(model, req, sizes)
     return ("request", id(req))
 
@@ -179,7 +184,7 @@ def generate(model, req: Request) -> Result:
     timings: dict[str, float] = {}
     t = time.perf_counter()
     images = read_images(req.image, model.manifest.get("conditions") or {})
-    req, sizes = _defaults(model, req, images)
+    req, sizes, fitted = _defaults(model, req, images)
     h, w = req.height, req.width
     ids, bucket, cfg = _tokens(model, req, sizes)
     timings["tokenize"] = time.perf_counter() - t
@@ -224,4 +229,5 @@ def generate(model, req: Request) -> Result:
     (pixels,) = model.graph("vae_decoder", (h, w))(latents)
     image = to_images(pixels)[0]
     timings["decode"] = time.perf_counter() - t
-    return Result(image, req, timings, bucket)
+    described = ", ".join(f"{a}x{b}" for a, b in sizes) + (f" ({'; '.join(fitted)})" if fitted else "")
+    return Result(image, req, timings, bucket, described or None)

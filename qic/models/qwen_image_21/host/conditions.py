@@ -9,6 +9,7 @@ Host code only (no nn.Module): the runtime imports it with the family's host pro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,20 +63,27 @@ def _open(path: Path) -> Image.Image:
             from None
 
 
-def condition_sizes(images: list[Image.Image], conditions: dict, output_resolution: int) -> list[tuple[int, int]]:
+def condition_sizes(images: list[Image.Image], conditions: dict, output_resolution: int,
+                    nearest: bool = False) -> tuple[list[tuple[int, int]], list[str]]:
     """Each image's condition size as the pipeline resizes it (its aspect at output_resolution**2 pixels), which
-    must be one the bundle was built for: else one line naming the built sizes."""
+    must be one the bundle was built for: else one line naming the built sizes, unless `nearest` asks for the built
+    size nearest its aspect (then by area). Also a note per image fitted so ("image 2: 192x544 -> 288x352")."""
     built = [tuple(s) for s in conditions["sizes"]]
-    sizes = []
+    sizes, fitted = [], []
     for i, img in enumerate(images):
         h, w = condition_size(img.height, img.width, output_resolution)
+        if (h, w) not in built and nearest:
+            near = min(built, key=lambda s: (abs(math.log((s[1] / s[0]) / (w / h))), abs(s[0] * s[1] - h * w)))
+            fitted.append(f"image {i + 1}: {h}x{w} -> {near[0]}x{near[1]}")
+            h, w = near
         if (h, w) not in built:
             raise ConfigError(
                 f"condition image {i + 1} ({img.width}x{img.height} pixels) resizes to {h}x{w} at output_resolution "
                 f"{output_resolution}; this bundle holds condition sizes {', '.join(f'{a}x{b}' for a, b in built)}",
-                f"rebuild with --condition-size {h}x{w}, or give an image of a built size's aspect")
+                f"rebuild with --condition-size {h}x{w}, give an image of a built size's aspect, or pass "
+                "--nearest-condition-size")
         sizes.append((h, w))
-    return sizes
+    return sizes, fitted
 
 
 def encode_conditions(model, images: list[Image.Image], sizes: list[tuple[int, int]]) -> Conditions:
