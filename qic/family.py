@@ -94,9 +94,6 @@ class Component:
     # It encodes condition (reference) images (a vision tower, a VAE encoder): a build holds it only when it names
     # condition sizes (BuildSpec.condition_sizes), one graph per size.
     conditions: bool = False
-    # The back ends its graphs are made for (None: every one the family's are), checked with the family's when the
-    # build config is read (qic.spec), so no family code asks which back end it is built for.
-    backends: tuple[str, ...] | None = None
     neuron_model_type: str = "generic"   # neuronx-cc --model-type (qic.backends.neuron.cc)
 
     @property

@@ -197,13 +197,6 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
     known = family.names(fam)
     condition_sizes, condition_images = _conditions(raw, at)
     components = _components(raw, fam, bool(condition_sizes), at)
-    for c in components:
-        made_for = family.components(fam)[c].backends
-        if made_for is not None and backend not in made_for:
-            raise ConfigError(f"{at('backend')}: the {fam.name} component {c}'s graphs are made for the "
-                              f"{' and '.join(made_for)} back ends, not {backend} (not yet)",
-                              f"build with --backend {made_for[0]}" + (", or drop --condition-size"
-                                                                       if family.components(fam)[c].conditions else ""))
     resolutions = default_resolutions(model)
     spec = BuildSpec(
         model=model,

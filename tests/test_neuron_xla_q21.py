@@ -122,6 +122,43 @@ def test_21_tp2_build_checks_every_rank_and_runs_on_xla_cpu_like_the_pipeline(q2
     _draws_like_the_pipeline(bundle, q21_pipe, tmp_path / "xla-tp2.png")
 
 
+def test_21_condition_graphs_lower_check_and_run_on_xla_cpu_like_the_pipeline(q21_neuron, q21_ckpt, tmp_path):
+    """--condition-size on the neuron back end: the vision tower, the VAE encoder and the images forms of the text
+    encoder and the denoiser lowered (the looped ones one While each) and checked on XLA:CPU against eager (the
+    denoiser's check fed a prompt split around a condition image, a block of its own), and `qic run --device xla-cpu
+    --image` draws QwenImage21Pipeline's image of that picture (the text-to-image graphs: q21_neuron's, hits)."""
+    from qic.backends.neuron import hlo_proto
+    from tests.qwen_image_21_checkpoint import load_images_pipeline
+    from tests.test_qwen_image_21_conditions import OUTPUT_RESOLUTION, PICTURES, SIZES, _picture, _reference
+    root = q21_neuron[0].parent
+    size = "{}x{}".format(*SIZES[0])
+    proc = _build(q21_ckpt, root, "bundle-cond", "--condition-size", size)
+    bundle = root / "bundle-cond"
+    graphs = {g["name"]: g for g in json.loads((bundle / "manifest.json").read_text())["graphs"]}
+    res = "{}x{}".format(*SIZE)
+    new = [f"text_encoder@L{BUCKET}@images", f"denoiser@{res}@L{BUCKET}@prefill-images",
+           f"denoiser@{res}@L{BUCKET}@decode-images", f"vision@{size}", f"vae_encoder@{size}"]
+    for name in new:
+        g = graphs[name]
+        print(name, g["checks"])
+        assert 0 <= g["checks"]["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2, name
+        loops = hlo_proto.opcodes((bundle / g["hlo"]).read_bytes()).get("while", 0)
+        assert loops >= (0 if g["component"] == "vae_encoder" else 1), name
+    assert "9 of 9 graphs executed on XLA:CPU and matched eager PyTorch" in _warning(proc)
+    picture = tmp_path / "picture.png"
+    _picture(*PICTURES[0], seed=10).save(picture)
+    out = tmp_path / "xla-cond.png"
+    xla_qic("run", bundle, "--device", "xla-cpu", "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--guidance",
+            GUIDANCE, "--steps", 3, "--seed", 7, "--height", SIZE[0], "--width", SIZE[1], "--output-resolution",
+            OUTPUT_RESOLUTION, "--image", picture, "--output", out)
+    pipe = load_images_pipeline(q21_ckpt)
+    worst, mean = image_diff(Image.open(out), _reference(pipe, [Image.open(picture)]))
+    print(f"xla-cpu with a condition image vs pipeline: max {worst:.0f}/255, mean {mean:.5f} levels")
+    assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
+    other = _reference(pipe, [_picture(*PICTURES[0], seed=99)])   # the bound can fail: another picture's image
+    assert image_diff(Image.open(out), other)[1] > MEAN_PIXEL
+
+
 def test_21_check_bound_can_fail_and_holds_at_every_t():
     r = json.loads(xla("-m", "benchmarks.xla_lowering_q21", "sensitivity").stdout.strip().splitlines()[-1])
     for part, cases in r.items():

@@ -154,7 +154,6 @@ def test_compiled_condition_graphs_read_images_as_the_pipeline(cond_inductor, re
 @pytest.mark.parametrize("args,message", [
     (["--condition-size", "250x256"], "multiples of 32"),
     (["--condition-size", "128x256"], "resizes it to"),   # 32768 px: below the processor's 65536, scaled up
-    (["--condition-size", "256x256", "--backend", "neuron"], "made for the inductor and export back ends, not neuron"),
     (["--condition-images", "2"], "needs condition_sizes"),
     (["--components", "text_encoder,vision"], "names no condition_sizes"),
 ])

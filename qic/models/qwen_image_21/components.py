@@ -10,8 +10,7 @@ The modules load diffusers' / transformers' tensor names strict, so the converte
 text encoder's language model, the VAE's decoder half). The TP tables are the modules' own TP_PLANs (the
 denoiser's is diffusers' _tp_plan), applied at shard time: `--tp N` for any N dividing the heads and widths
 (tests/test_qwen_image_21_tp.py). What is not wired yet is refused in validate() in one line each (Ulysses,
-batches, step caching, exact-length text); condition images are refused on the neuron back end by their components'
-back ends (Component.backends).
+batches, step caching, exact-length text).
 """
 
 from __future__ import annotations
@@ -58,8 +57,6 @@ from qic.models.qwen_image_21.vision import BLOCK_PREFIX as VISION_BLOCKS
 from qic.models.qwen_image_21.vision import LoopedQwenImage21Vision, QwenImage21Vision, VisionConfig, vision_state_dict
 
 _HERE = __name__.rpartition(".")[0]
-# The condition components' graphs (and the images forms they feed) are not lowered and checked on XLA:CPU yet.
-_NOT_LOWERED_YET = ("inductor", "export")
 _SHARED = ("qic.models.common", "qic.models.looped")
 FAMILY = "Qwen-Image-2.1"
 
@@ -150,10 +147,10 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
               config_deps=("vae",), fixed_dtype="float32", neuron_model_type="unet-inference"),
     Component("vision", "text_encoder", VisionConfig.from_dict, _vision_module, vision_state_dict,
               (f"{_HERE}.vision", *_SHARED), _condition_shapes, _vision_graph, config_deps=("text_encoder",),
-              blocks=VISION_BLOCKS, neuron_model_type="transformer", conditions=True, backends=_NOT_LOWERED_YET),
+              blocks=VISION_BLOCKS, neuron_model_type="transformer", conditions=True),
     Component("vae_encoder", "vae", VAE21Config.from_dict, _vae_encoder_module, vae21_encoder_state_dict,
               (f"{_HERE}.vae", "qic.models.common"), _condition_shapes, _vae_encoder_graph, config_deps=("vae",),
-              fixed_dtype="float32", neuron_model_type="unet-inference", conditions=True, backends=_NOT_LOWERED_YET),
+              fixed_dtype="float32", neuron_model_type="unet-inference", conditions=True),
 )}
 
 

@@ -145,7 +145,8 @@ def denoiser_graph(model, config, height: int, width: int, bucket: int, part: st
     shape = {"resolution": [height, width], "bucket": bucket, "part": part} | ({"slots": slots} if cond_rows else {})
     return GraphDef(graph_name("denoiser", (height, width), bucket, part=part), "denoiser", module, inputs, outputs,
                     shape=shape, weight_prefix="model.",
-                    sample=lambda: denoiser_sample(config, inputs, (height // VAE_SCALE, width // VAE_SCALE), bucket))
+                    sample=lambda: denoiser_sample(config, inputs, (height // VAE_SCALE, width // VAE_SCALE), bucket,
+                                                   slots if cond_rows else 0))
 
 
 # The check's timestep (t / 1000, as the pipeline passes it). Not 0, so the prefix (modulated at t = 0) and the
@@ -161,20 +162,32 @@ def denoiser_graph(model, config, height: int, width: int, bucket: int, part: st
 CHECK_TIMESTEP = 0.05
 
 
-def denoiser_sample(config, inputs: list, grid: tuple[int, int], bucket: int) -> list:
+def denoiser_sample(config, inputs: list, grid: tuple[int, int], bucket: int, slots: int = 0) -> list:
     """The XLA:CPU check's inputs for a prefill or decode graph (GraphDef.sample), seeded: random text rows,
     latents and prefix K/V, and the sequence tensors a real request of a prompt 3/4 of the bucket long gets
     (qic.models.qwen_image_21.host.sequence): gather indices in range, the padded tail's keys masked, RoPE
-    tables of those positions. Random indices or masks would read out of range or leave no key to attend to."""
-    from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, rope_tables
+    tables of those positions. Random indices or masks would read out of range or leave no key to attend to.
+    The images forms (`slots`): the prompt split around one condition image filling every slot, a block of its
+    own in the mask."""
+    from qic.models.qwen_image_21.host.sequence import (
+        IMAGE,
+        SLOT_TOKENS,
+        TEXT,
+        JointSequence,
+        prefix_inputs,
+        rope_tables,
+    )
     gen = torch.Generator().manual_seed(0)
-    seq = JointSequence(((TEXT, max(1, 3 * bucket // 4)),), grid)
-    index, block_ids, key_valid = prefix_inputs(seq, bucket, bucket)
-    cos, sin = rope_tables(config.axes_dims_rope, seq, bucket)
-    decode = "k" in dict(inputs)
+    text = max(2, 3 * bucket // 4)
+    image = ((IMAGE, 2, SLOT_TOKENS * slots // 2),) if slots else ()
+    seq = JointSequence(((TEXT, text // 2), *image, (TEXT, text - text // 2)), grid)
+    text_rows, _, prefix = prefix_sizes(bucket, slots)
+    index, block_ids, key_valid = prefix_inputs(seq, prefix, text_rows)
+    cos, sin = rope_tables(config.axes_dims_rope, seq, prefix)
+    decode = "k" in dict(inputs)   # its RoPE rows are the target's, after the prefix
     fixed = {"timestep": torch.full((1,), CHECK_TIMESTEP), "index": index, "block_ids": block_ids,
-             "key_valid": key_valid.long(), "rope_cos": cos[bucket:] if decode else cos,
-             "rope_sin": sin[bucket:] if decode else sin}
+             "key_valid": key_valid.long(), "rope_cos": cos[prefix:] if decode else cos,
+             "rope_sin": sin[prefix:] if decode else sin}
     return [(name, fixed[name] if name in fixed else torch.randn(t.shape, generator=gen).to(t.dtype))
             for name, t in inputs]
 
