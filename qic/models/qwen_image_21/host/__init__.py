@@ -56,6 +56,7 @@ from qic.models.qwen_image_21.host.sequence import (
     rope_tables,
 )
 from qic.parallel.mesh import from_each_branch
+from qic.runtime.loop import denoise_loop, record_steps
 
 # One image's run options: the rows of qic.host.options this program takes (steps None: the checkpoint's
 # sample_sigmas, else the pipeline's 40; guidance None: the pipeline's true_cfg_scale default, 1, CFG off;
@@ -202,14 +203,16 @@ def generate(model, req: Request) -> Result:
     sigmas = base_sigmas(model.manifest.get("sample_sigmas"), req.steps)
     sched = schedule(model.scheduler, sigmas, image_seq_len(h, w))
     timesteps = model_timesteps(sched)
-    latents = initial_noise(req.seed, model.latents["z_dim"], h, w)
     suffix = "-images" if cond else ""
     prefill = model.graph("denoiser", (h, w), bucket, part="prefill" + suffix)
     decode = model.graph("denoiser", (h, w), bucket, part="decode" + suffix)
     n = len(branches[0].index)    # the prefix length P: the RoPE tables' target rows follow it
     extra = (cond.latents,) if cond else ()
-    for i in range(len(timesteps)):
-        t = time.perf_counter()
+
+    def step(i, latents, t, sigma, sigma_next):
+        """One step for qic.runtime.loop's loop (the one every family's program runs): each branch's prefill on
+        the first step (every step without the KV cache), its decode after; the CFG exchange under CFG-parallel;
+        true CFG; the Euler update in fp32."""
         ts = timesteps[i:i + 1]
         preds = []
         for b in branches:
@@ -222,8 +225,10 @@ def generate(model, req: Request) -> Result:
         if split:
             preds = from_each_branch(model.layout, preds[0])
         pred = preds[1] + req.guidance * (preds[0] - preds[1]) if cfg else preds[0]
-        latents = latents.float() + (sched.sigmas[i + 1] - sched.sigmas[i]) * pred
-        timings[f"step{i}"] = time.perf_counter() - t
+        return latents.float() + (sigma_next - sigma) * pred
+
+    latents = denoise_loop(step, initial_noise(req.seed, model.latents["z_dim"], h, w), sched,
+                           on_step=record_steps(timings))
 
     t = time.perf_counter()
     (pixels,) = model.graph("vae_decoder", (h, w))(latents)
