@@ -61,6 +61,8 @@ SMOKES = {
                              r"[\d.]+ \|"] * 4),
     "step_cache": (420, [r"\| tiny \| 3 \| 3 \| (uncached|threshold [\d.e+-]+|mask 3/3) \| [\d.]+ \| [\d.]+ \| .*"] * 5
                    + [r"wrote .*/img/step-cache\.png"]),
+    "q21_step": (300, [r"\| (text|text \+ one 64x64 image) \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \| "
+                       r"[\d.]+ s \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \| [\d.e+-]+ \| \d+ s \|"] * 2),
     "peak": (180, [r"\| tiny \| (text_encoder@L72|denoiser@48x80@L72|vae_decoder@48x80) \| [\d.]+ \| .*"] * 3),
 }
 
