@@ -55,8 +55,7 @@ class Case:
     condition image of cond x cond pixels placed before the prompt (2.1's ti2i template), the target."""
 
     def __init__(self, config: dict, size: int, text: int, cond: int, bucket: int):
-        from qic.models.qwen_image_21.graphs import prefix_sizes
-        from qic.models.qwen_image_21.host.sequence import IMAGE, SLOT_TOKENS, TEXT, JointSequence
+        from qic.models.qwen_image_21.host.sequence import IMAGE, SLOT_TOKENS, TEXT, JointSequence, prefix_sizes
         g = torch.Generator().manual_seed(0)
         self.grid = (size // 16, size // 16)
         self.cond_grid = (cond // 16, cond // 16) if cond else None

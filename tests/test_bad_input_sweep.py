@@ -270,7 +270,7 @@ class _PlanOnly:
         from qic.serve.runner import BundleRunner
         self.real = BundleRunner(bundle)
         self.model_id, self.created, self.sizes = self.real.model_id, self.real.created, self.real.sizes
-        self.batch_sizes, self.program, self.Request = self.real.batch_sizes, self.real.program, self.real.Request
+        self.batch_sizes, self.program = self.real.batch_sizes, self.real.program
 
     def plan(self, req):
         return self.real.plan(req)

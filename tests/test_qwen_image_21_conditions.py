@@ -269,10 +269,13 @@ def test_broken_variants_leave_the_bound(cond_export, pipe, monkeypatch):
 
 
 @pytest.mark.slow
-def test_tp2_with_two_images(shared_dir, cache_dir, q21_ckpt, pipe, tmp_path):
+@pytest.mark.parametrize("layout", [("--tp", 2), ("--cfg-parallel",)], ids=["tp2", "cfg-parallel"])
+def test_two_images_on_two_ranks(shared_dir, cache_dir, q21_ckpt, pipe, tmp_path, layout):
+    """TP 2 (the text encoder and the denoiser sharded) and CFG-parallel (each CFG group encodes the images and runs
+    its own branch's prefix), through qic run's ranks."""
     sizes = [a for s in SIZES for a in ("--condition-size", "{}x{}".format(*s))]
-    bundle, _ = _build_q21(shared_dir, cache_dir, q21_ckpt, "bundle-q21-cond-tp2", "--backend", "export", "--tp", 2,
-                           *sizes, "--condition-images", 2)
+    bundle, _ = _build_q21(shared_dir, cache_dir, q21_ckpt, f"bundle-q21-cond-{'-'.join(map(str, layout))}",
+                           "--backend", "export", *layout, *sizes, "--condition-images", 2)
     paths = []
     for i, picture in enumerate(_pictures(2)):
         paths.append(tmp_path / f"cond{i}.png")

@@ -51,8 +51,7 @@ class FakeRunner:
     model_id = "fake"
     created = 0
     sizes = {SIZE: TINY_RES}
-    program = generate_program   # the text-to-image program's Request: what the HTTP fields make
-    Request = generate_program.Request
+    program = generate_program   # the text-to-image program: its Request is what the HTTP fields make
 
     def __init__(self, batch_sizes=(1,), seconds: float = 0.0):
         self.batch_sizes = batch_sizes

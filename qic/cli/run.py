@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qic.errors import ConfigError
 from qic.host.cache_policy import computed_line
-from qic.host.options import BY_NAME, FLAG, LINE, given_at
+from qic.host.options import BY_NAME, FLAG, LINE, given_at, untaken
 from qic.manifest import read_manifest
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
@@ -88,9 +88,9 @@ def _refuse_untaken(program, opts: dict, line: str | None) -> None:
     a Qwen-Image-2.1 bundle, say), never dropped. Options at their table default (negative prompt ' ', seed 0) are
     what qic run passes when none is given; `output` is qic run's own."""
     fields = program.Request.__dataclass_fields__
-    untaken = [k for k, v in opts.items() if k != "output" and k not in fields and v != BY_NAME[k].default]
-    if untaken:
-        where = f"{line}: key {untaken[0]!r}" if line else BY_NAME[untaken[0]].flag
+    refused = untaken(program.Request, opts)
+    if refused:
+        where = f"{line}: key {refused[0]!r}" if line else BY_NAME[refused[0]].flag
         takes = ", ".join(BY_NAME[k].flag for k in fields if k in BY_NAME and k != "prompt")
         raise ConfigError(f"{where}: this bundle's host program ({program.__name__}) takes no such option",
                           f"drop it; this bundle's runs take {takes}")

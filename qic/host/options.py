@@ -59,14 +59,13 @@ class RunOption:
         Booleans are not numbers, "3" is not an integer, 3.5 not a step count; a float option takes an int."""
         if value is None and not self.required:
             return None
-        if self.kind is list:
+        if self.kind is list:   # one string, or a non-empty list of non-empty strings
             items = [value] if isinstance(value, str) else value
-            if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v for v in items):
-                where = f"{source}: " if source else ""
-                raise ConfigError(f"{where}{self.name} must be {self.describe()}, got {value!r}")
-            return list(items)
+            ok = isinstance(items, (list, tuple)) and bool(items) and all(isinstance(v, str) and v for v in items)
+            if ok:
+                return list(items)
         kinds = (int, float) if self.kind is float else (self.kind,)
-        ok = isinstance(value, kinds) and (self.kind is bool) == isinstance(value, bool)
+        ok = self.kind is not list and isinstance(value, kinds) and (self.kind is bool) == isinstance(value, bool)
         if ok and self.kind is float:
             ok = math.isfinite(value)
         if ok and self.kind is str:
@@ -155,6 +154,14 @@ def given_at(where: str) -> tuple[RunOption, ...]:
 def check_all(values: dict, source: str = "") -> dict:
     """Each named option checked (an unknown name is the caller's to refuse first)."""
     return {k: BY_NAME[k].check(v, source) for k, v in values.items()}
+
+
+def untaken(request_cls, values: dict) -> list[str]:
+    """The request options in `values` at another value than their row's default (which is what qic run passes
+    when none is given) that a host program's Request has no field for: what `qic run` and `qic serve` refuse by
+    name rather than drop. Rows that are no request field (qic run's `output`) are the caller's own."""
+    fields = request_cls.__dataclass_fields__
+    return [k for k, v in values.items() if BY_NAME[k].request and k not in fields and v != BY_NAME[k].default]
 
 
 def request_class(name: str, module: str, extra: list[tuple], doc: str, only: tuple[str, ...] | None = None) -> type:

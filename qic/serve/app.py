@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
 from qic.errors import QicError
-from qic.host.options import BY_NAME, HTTP, given_at
+from qic.host.options import HTTP, given_at, untaken
 from qic.runtime.png import step_cache_of
 from qic.serve.queue import QueueFull, Scheduler, Unavailable
 from qic.serve.settings import Settings
@@ -71,7 +71,7 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI:
-    """runner: .Request (the bundle's host program's), .program, .plan(request) -> batch key (raises QicError),
+    """runner: .program (the bundle's host program: its Request), .plan(request) -> batch key (raises QicError),
     .run(list) -> list of PNG bytes, .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes; optionally
     .executor, the thread to run on.
 
@@ -230,15 +230,16 @@ def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
         raise ApiError(400, f"size {body.size!r} is not in this bundle; it has: {', '.join(runner.sizes)} "
                             "(WIDTHxHEIGHT) or auto", "size")
     # Fields the bundle's host program takes; one it does not take, given, is refused by name (never dropped).
-    takes = runner.Request.__dataclass_fields__
-    for k in _REQUEST_FIELDS:
-        if k not in takes and getattr(body, k) is not None and getattr(body, k) != BY_NAME[k].default:
-            raise ApiError(400, f"{k}: this model's runs take no such option (its host program is "
-                                f"{runner.program.__name__})", k)
-    fields = {k: getattr(body, k) for k in _REQUEST_FIELDS if k in takes}
+    request = runner.program.Request
+    given = {k: getattr(body, k) for k in _REQUEST_FIELDS if getattr(body, k) is not None}
+    refused = untaken(request, given)
+    if refused:
+        raise ApiError(400, f"{refused[0]}: this model's runs take no such option (its host program is "
+                            f"{runner.program.__name__})", refused[0])
+    fields = {k: getattr(body, k) for k in _REQUEST_FIELDS if k in request.__dataclass_fields__}
     items = []
     for i in range(body.n):
-        req = runner.Request(**fields | dict(seed=body.seed + i, height=height, width=width))
+        req = request(**fields | dict(seed=body.seed + i, height=height, width=width))
         try:
             key = runner.plan(req)
         except QicError as e:

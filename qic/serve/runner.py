@@ -68,19 +68,19 @@ def control_group(world: int):
 def follow(bundle: Bundle, group) -> None:
     """A rank above 0: run each batch rank 0 sends, until it sends None (its server has stopped)."""
     import torch.distributed as dist
+    program = program_of(bundle.manifest)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             return
-        run_batch(program_of(bundle.manifest), bundle, box[0])
+        run_batch(program, bundle, box[0])
 
 
 class BundleRunner:
     def __init__(self, bundle: Bundle, group=None, executor: ThreadPoolExecutor | None = None):
         self.bundle = bundle
         self.program = program_of(bundle.manifest)   # the family's host program, as qic run runs it
-        self.Request = self.program.Request
         self.group = group   # the control group when tensor-parallel
         self.executor = executor   # the thread the bundle was loaded and warmed on; run() is called there
         # The served model is named after the bundle directory (what the operator chose to deploy).

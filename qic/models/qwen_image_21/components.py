@@ -28,7 +28,6 @@ from qic.models.qwen_image_21.graphs import (
     PREFILL_IMAGES,
     condition_grid,
     denoiser_graph,
-    prefix_sizes,
     text_encoder_graph,
     vae_decoder_graph,
     vae_encoder_graph,
@@ -37,7 +36,7 @@ from qic.models.qwen_image_21.graphs import (
 from qic.models.qwen_image_21.host.processor import image_processor_settings
 from qic.models.qwen_image_21.host.prompt import IMAGE_PAD, SYSTEM_MESSAGE, prompt_text
 from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE, vision_grid
-from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS
+from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS, prefix_sizes
 from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser
 from qic.models.qwen_image_21.text_encoder import TP_PLAN as TEXT_ENCODER_TP
 from qic.models.qwen_image_21.text_encoder import (

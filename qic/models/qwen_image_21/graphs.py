@@ -30,6 +30,7 @@ from qic.builder.graphs import GraphDef
 from qic.dtypes import TORCH_DTYPES
 from qic.graph_names import graph_name
 from qic.models.qwen_image_21.host.sampling import VAE_SCALE
+from qic.models.qwen_image_21.host.sequence import prefix_sizes
 from qic.models.qwen_image_21.vae import QwenImage21VAEDecoder, QwenImage21VAEEncoder
 from qic.models.qwen_image_21.vision import patchify
 
@@ -96,17 +97,6 @@ def text_encoder_graph(module, bucket: int, slots: int = 0, dtype: str = "float3
               ("deepstack_embeds", torch.zeros(cfg.deepstack_layers, slots, cfg.hidden_size, dtype=dt))]
     return GraphDef(graph_name("text_encoder", bucket=bucket, part=IMAGES), "text_encoder", module, inputs,
                     ["hidden_states"], shape={"bucket": bucket, "part": IMAGES, "slots": slots})
-
-
-def prefix_sizes(bucket: int, slots: int) -> tuple[int, int, int]:
-    """(T, I, P) of a denoiser graph: the text-encoder rows it reads, the condition latent rows, the prefix length.
-    Text to image: T = P = b. With condition images: T = b + slots (the encoder's rows, image slots included),
-    I = 4 slots (each slot stands for 2x2 latent tokens), P = b + I (the text rows outside the slots, at most b,
-    then every condition token)."""
-    from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS
-    if not slots:
-        return bucket, 0, bucket
-    return bucket + slots, SLOT_TOKENS * slots, bucket + SLOT_TOKENS * slots
 
 
 def denoiser_graph(model, config, height: int, width: int, bucket: int, part: str, dtype: str,

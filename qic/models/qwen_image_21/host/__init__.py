@@ -34,7 +34,13 @@ from PIL import Image
 from qic.errors import ConfigError
 from qic.host.options import request_class
 from qic.host.prompt import pick_bucket
-from qic.models.qwen_image_21.host.conditions import Conditions, condition_sizes, encode_conditions, read_images
+from qic.models.qwen_image_21.host.conditions import (
+    Conditions,
+    condition_sizes,
+    encode_conditions,
+    read_images,
+    vision_grids,
+)
 from qic.models.qwen_image_21.host.prompt import IMAGE_PAD, expand_image_pads, mrope_positions, prompt_text
 from qic.models.qwen_image_21.host.sampling import (
     DEFAULT_STEPS,
@@ -48,13 +54,7 @@ from qic.models.qwen_image_21.host.sampling import (
     schedule,
     to_images,
 )
-from qic.models.qwen_image_21.host.sequence import (
-    SLOT_TOKENS,
-    TEXT,
-    JointSequence,
-    prefix_inputs,
-    rope_tables,
-)
+from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, prefix_sizes, rope_tables
 from qic.parallel.mesh import from_each_branch
 from qic.runtime.loop import denoise_loop, record_steps
 
@@ -131,8 +131,8 @@ def _tokens(model, req: Request, sizes: list[tuple[int, int]]) -> tuple[list[lis
         ids = [_ids(model, p) for p in prompts]
         return ids, pick_bucket(max(map(len, ids)), model.buckets), cfg
     cond = model.manifest["conditions"]
-    patch, merge = cond["processor"]["patch_size"], cond["processor"]["merge_size"]
-    grids = [(1, h // patch, w // patch) for h, w in sizes]
+    merge = cond["processor"]["merge_size"]
+    grids = vision_grids(cond, sizes)
     slots = sum(g[1] * g[2] // merge ** 2 for g in grids)
     ids = [model.tokenizer.encode(expand_image_pads(prompt_text(p, len(grids)), grids, merge)).ids for p in prompts]
     for i in ids:
@@ -175,7 +175,7 @@ def _branch(model, encoder, ids: list[int], bucket: int, target: tuple[int, int]
         seq = JointSequence(((TEXT, rows),), target)
     else:
         seq = JointSequence.from_slots([i == cond.image_token_id for i in ids[drop:]], cond.grids, target)
-    text_rows, prefix = length, bucket + SLOT_TOKENS * slots
+    text_rows, _, prefix = prefix_sizes(bucket, slots)
     index, block_ids, key_valid = prefix_inputs(seq, prefix, text_rows)
     cos, sin = rope_tables(axes, seq, prefix)
     return _Branch(text, index, block_ids, key_valid.long(), cos, sin)

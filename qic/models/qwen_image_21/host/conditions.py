@@ -86,25 +86,29 @@ def condition_sizes(images: list[Image.Image], conditions: dict, output_resoluti
     return sizes, fitted
 
 
+def vision_grids(conditions: dict, sizes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Each condition size's (1, gh, gw) in vision patches: the grid the processor gives it (the build checked that
+    its resize keeps the size), what the text's <|image_pad|> runs and the mRoPE positions count."""
+    patch = conditions["processor"]["patch_size"]
+    return [(1, h // patch, w // patch) for h, w in sizes]
+
+
 def encode_conditions(model, images: list[Image.Image], sizes: list[tuple[int, int]]) -> Conditions:
     """Each image through the bundle's vae_encoder and vision graphs at its condition size (condition_sizes), padded
     to the capacity the images graphs were built for."""
     cond = model.manifest["conditions"]
     proc = cond["processor"]
-    patch, merge = proc["patch_size"], proc["merge_size"]
-    embeds, deep, latents, grids, vision_grids = [], [], [], [], []
-    for img, (h, w) in zip(images, sizes):
+    grids = vision_grids(cond, sizes)
+    embeds, deep, latents = [], [], []
+    for img, (h, w), (_, gh, gw) in zip(images, sizes, grids):
         if img.mode != "RGBA":
             img = img.convert("RGBA")
         (tokens,) = model.graph("vae_encoder", (h, w))(condition_pixels(img, h, w))
-        grid = (h // patch, w // patch)
-        e, d = model.graph("vision", (h, w))(vision_pixels(vision_image(img, h, w), grid, patch,
+        e, d = model.graph("vision", (h, w))(vision_pixels(vision_image(img, h, w), (gh, gw), proc["patch_size"],
                                                             proc["image_mean"], proc["image_std"]))
         latents.append(tokens[0])
         embeds.append(e)
         deep.append(d)
-        grids.append((h // VAE_SCALE, w // VAE_SCALE))
-        vision_grids.append((1, *grid))
     used = sum(e.shape[0] for e in embeds)
     slots = cond["slots"]
     if used > slots:   # sizes and count are checked above, so only a bundle whose manifest lies gets here
@@ -113,8 +117,8 @@ def encode_conditions(model, images: list[Image.Image], sizes: list[tuple[int, i
     deep_t = torch.cat(deep, dim=1)
     lat = torch.cat(latents)
     return Conditions(
-        grids, vision_grids,
+        [(h // VAE_SCALE, w // VAE_SCALE) for h, w in sizes], grids,
         torch.cat([embeds_t, embeds_t.new_zeros(slots - used, embeds_t.shape[1])]),
         torch.cat([deep_t, deep_t.new_zeros(deep_t.shape[0], slots - used, deep_t.shape[2])], dim=1),
         torch.cat([lat, lat.new_zeros(SLOT_TOKENS * slots - lat.shape[0], lat.shape[1])])[None],
-        slots, used, cond["image_token_id"], merge)
+        slots, used, cond["image_token_id"], proc["merge_size"])

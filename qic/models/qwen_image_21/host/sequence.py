@@ -38,6 +38,16 @@ ROPE_THETA = 10000
 ROPE_MAX_POSITION, ROPE_MIN_POSITION = 8191, -1024
 
 
+def prefix_sizes(bucket: int, slots: int) -> tuple[int, int, int]:
+    """(T, I, P) of a denoiser graph: the text-encoder rows it reads, the condition latent rows, the prefix length.
+    Text to image: T = P = b. With condition images: T = b + slots (the encoder's rows, image slots included),
+    I = 4 slots (each slot stands for 2x2 latent tokens), P = b + I (the text rows outside the slots, at most b,
+    then every condition token)."""
+    if not slots:
+        return bucket, 0, bucket
+    return bucket + slots, SLOT_TOKENS * slots, bucket + SLOT_TOKENS * slots
+
+
 @dataclass(frozen=True)
 class JointSequence:
     """The prefix as segments in order, ("text", n) or ("image", height, width) in latent tokens, and the
