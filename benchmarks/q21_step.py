@@ -2,7 +2,7 @@
 qic's compiled graphs against diffusers' transformer with and without its KV cache, in one run.
 
     python -m benchmarks.q21_step [--depth 1] [--size 256] [--condition 256] [--text 100] [--runs 3]
-    python -m benchmarks.q21_step --smoke   # tiny widths, 64x64, 1 run
+    python -m benchmarks.q21_step --smoke   # tiny widths, 64x64, 1 run, traced without inductor's C++ (aot_eager)
 
 The published transformer config (tests/fixtures/qwen-image-2.1-configs: 32 heads of 128, hidden 4096, SwiGLU x3)
 cut to `--depth` blocks, random weights, fp32 on this CPU. diffusers' QwenImage21Transformer2DModel runs each step
@@ -96,9 +96,11 @@ def diffusers_steps(model, case: Case, runs: int) -> tuple[dict, torch.Tensor]:
     return seconds, first
 
 
-def qic_steps(module, config, case: Case, bucket: int, runs: int) -> tuple[dict, torch.Tensor, float]:
+def qic_steps(module, config, case: Case, bucket: int, runs: int, compiler: str = "inductor"
+              ) -> tuple[dict, torch.Tensor, float]:
     """Median seconds of qic's compiled prefill and decode graphs for the case; the prefill's prediction; and the
-    seconds the two compiles took."""
+    seconds the two compiles took. `compiler` "aot_eager" traces the same graphs without generating code (the
+    smoke's: the four C++ compiles were most of its minute, and they are the bundles' own, compiled in tests)."""
     from qic.backends.inductor.build import compile_options
     from qic.models.qwen_image_21.graphs import DECODE, DECODE_IMAGES, PREFILL, PREFILL_IMAGES, denoiser_graph
     from qic.models.qwen_image_21.host.sequence import prefix_inputs, rope_tables
@@ -113,7 +115,9 @@ def qic_steps(module, config, case: Case, bucket: int, runs: int) -> tuple[dict,
         for part in parts:
             gdef = denoiser_graph(module, config, h, w, bucket, part, "float32", case.slots)
             torch._dynamo.reset()
-            compiled[part] = torch.compile(gdef.module.eval(), fullgraph=True, options=compile_options("cpu"))
+            compiled[part] = (torch.compile(gdef.module.eval(), fullgraph=True, options=compile_options("cpu"))
+                              if compiler == "inductor" else torch.compile(gdef.module.eval(), fullgraph=True,
+                                                                           backend=compiler))
         cond = [] if case.cond is None else [case.cond]
         cond_rows = case.cond_rows
         if cond:
@@ -138,7 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="widths of tens instead of the real ones")
-    args = parse_args(ap, argv, {"size": 64, "condition": 64, "text": 20, "bucket": 32, "runs": 1, "tiny": True})
+    ap.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
+                    help="qic's side compiled by inductor (the figures) or only traced (aot_eager: the smoke's)")
+    args = parse_args(ap, argv, {"size": 64, "condition": 64, "text": 20, "bucket": 32, "runs": 1, "tiny": True,
+                                 "compiler": "aot_eager"})
     from diffusers import QwenImage21Transformer2DModel
 
     from qic.models.common import load_weights
@@ -158,13 +165,14 @@ def main(argv: list[str] | None = None) -> None:
                                              args.depth), "denoiser")
     width = "tiny" if args.tiny else f"real (hidden {config.inner_dim})"
     print(f"{width} width, depth {args.depth}, target {args.size}x{args.size}, prompt {args.text} rows of bucket "
-          f"{args.bucket}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}; medians of {args.runs}")
+          f"{args.bucket}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}; medians of {args.runs}; "
+          f"qic's graphs by {args.compiler}")
     print("| request | qic prefill | qic decode | decode / prefill | diffusers, no cache | diffusers extract | "
           "diffusers cached | qic decode / diffusers cached | qic prefill vs diffusers (rel-L2) | compile |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for label, cond in (("text", 0), (f"text + one {args.condition}x{args.condition} image", args.condition)):
         case = Case(raw, args.size, args.text, cond, args.bucket)
-        ours, pred, compile_s = qic_steps(module, config, case, args.bucket, args.runs)
+        ours, pred, compile_s = qic_steps(module, config, case, args.bucket, args.runs, args.compiler)
         theirs, first = diffusers_steps(ref, case, args.runs)
         err = float((pred - first).norm() / first.norm())
         print(f"| {label} | {ours['prefill']:.3f} s | {ours['decode']:.3f} s | {ours['decode'] / ours['prefill']:.2f}x"
