@@ -327,8 +327,8 @@ def test_missing_tensor(tmp_path, tiny_ckpt):
 
 def test_unknown_model_config_flag(tmp_path, tiny_ckpt):
     root = _broken_ckpt(tmp_path, tiny_ckpt, lambda r: _edit_json(r / "transformer" / "config.json",
-                                                                   zero_cond_t=True))
-    _fails(tmp_path, "--model", root, expect="zero_cond_t")
+                                                                   use_layer3d_rope=True))
+    _fails(tmp_path, "--model", root, expect="use_layer3d_rope")
     root2 = tmp_path / "b"
     shutil.copytree(tiny_ckpt, root2)
     _edit_json(root2 / "transformer" / "config.json", use_fancy_rope=1)

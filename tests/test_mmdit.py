@@ -179,9 +179,13 @@ def test_config_refusals():
     base = preset("tiny")["transformer"]
     with pytest.raises(ConfigError, match="new_flag"):
         MMDiTConfig.from_dict({**base, "new_flag": 1})
-    for flag in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds"):
+    for flag in ("use_additional_t_cond", "use_layer3d_rope", "guidance_embeds"):
         with pytest.raises(ConfigError, match=flag):
             MMDiTConfig.from_dict({**base, flag: True})
+    # Edit-2511's zero_cond_t is implemented (tests/test_mmdit_conditions.py); only a bool is
+    assert MMDiTConfig.from_dict({**base, "zero_cond_t": True}).zero_cond_t
+    with pytest.raises(ConfigError, match="zero_cond_t"):
+        MMDiTConfig.from_dict({**base, "zero_cond_t": "yes"})
     with pytest.raises(ConfigError, match="axes_dims_rope"):
         MMDiTConfig.from_dict({**base, "axes_dims_rope": [8, 12, 14]})
     # Flags present but off, and the hub's ignored pooled_projection_dim, are fine.

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from qic.errors import ConfigError
+from qic.host.image_tokens import expand_image_pads, mrope_positions
 from qic.models.common import load_weights
-from qic.models.qwen_image_21.host.prompt import expand_image_pads, mrope_positions
 from qic.models.qwen_image_21.host.prompt import prompt_text as prompt_text_of
 from qic.models.qwen_image_21.text_encoder import (
     TP_PLAN,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from qic.errors import ConfigError
+from qic.host.image_tokens import mrope_positions
 from qic.models.common import load_weights
-from qic.models.qwen_image_21.host.prompt import mrope_positions
 from qic.models.qwen_image_21.text_encoder import QwenImage21TextEncoder, TextEncoder21Config
 from qic.models.qwen_image_21.vision import QwenImage21Vision, VisionConfig, patchify, vision_state_dict
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_

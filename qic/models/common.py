@@ -3,9 +3,10 @@ layers (RowLinear, GatherLinear, VocabEmbedding) whose collectives the TP plan s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import CheckpointError, ConfigError
@@ -30,6 +31,31 @@ def require_value(config: Mapping, key: str, allowed, component: str) -> None:
         raise ConfigError(
             f"{component} config sets {key}={config[key]!r}; qic supports only {sorted(map(repr, allowed))}"
         )
+
+
+def vision_config(d: Mapping, component: str, hidden_act: str) -> tuple[Mapping, Callable, Mapping]:
+    """A Qwen-VL vision tower's settings: (the mapping, a getter, its rope parameters) from text_encoder/config.json's
+    vision_config (or that mapping itself), after the checks every Qwen-VL tower shares: its activation (the one the
+    caller implements), axial RoPE, one int patch size each way. The getter names a missing key in one line."""
+    v = d.get("vision_config", d)
+
+    def get(key, default=None):
+        value = v.get(key, default)
+        if value is None:
+            raise ConfigError(f"{component} config lacks vision_config.{key}")
+        return value
+
+    if get("hidden_act", hidden_act) != hidden_act:
+        raise ConfigError(f"{component} config sets vision_config.hidden_act={v['hidden_act']!r}; "
+                          f"qic implements only {hidden_act}")
+    rope = v.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"{component} config sets vision_config.rope_parameters.rope_type="
+                          f"{rope['rope_type']!r}; qic implements only axial")
+    for key in ("patch_size", "temporal_patch_size"):
+        if not isinstance(v.get(key, 1), int):
+            raise ConfigError(f"{component} config sets vision_config.{key}={v[key]!r}; qic needs one int")
+    return v, get, rope
 
 
 def load_weights(module: nn.Module, state_dict: Mapping[str, torch.Tensor], component: str,
@@ -146,3 +172,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     re, im = xf[..., 0], xf[..., 1]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.stack([re * c - im * s, re * s + im * c], -1).flatten(-2).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Qwen's RoPE pairing: dimension i with i + d/2 (split halves, not interleaved pairs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    """A Qwen-VL vision block's attention over one image's patches [n, hidden]: fused qkv, 2-D RoPE applied in fp32
+    and cast back (transformers' apply_rotary_pos_emb_vision; cos/sin [n, 1, head_dim]), SDPA with an optional key
+    mask (Qwen2.5-VL's windows), proj. Tensor names qkv.*, proj.*, as the checkpoints'."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=True)
+        self.proj = nn.Linear(hidden, hidden, bias=True)
+
+    def forward(self, x, cos, sin, mask=None):
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.heads, self.head_dim).unbind(1)
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        return self.proj(out[0].transpose(0, 1).reshape(n, -1))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,9 @@ EPS = 1e-6
 _SIZE_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
               "num_attention_heads", "joint_attention_dim", "axes_dims_rope")
 # Variant flags: known, but qic implements only the plain model (value off).
-_OFF_FLAGS = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+_OFF_FLAGS = ("guidance_embeds", "use_additional_t_cond", "use_layer3d_rope")
+# Implemented flags: Edit-2511's zero_cond_t (condition-image tokens modulated at timestep 0).
+_FLAGS = ("zero_cond_t",)
 # The hub's Qwen-Image config carries pooled_projection_dim (768); diffusers' class ignores it, so do we.
 _IGNORED_KEYS = ("pooled_projection_dim",)
 
@@ -53,6 +55,10 @@ class MMDiTConfig:
     num_attention_heads: int
     joint_attention_dim: int
     axes_dims_rope: tuple[int, int, int]
+    # Edit-2511: the condition images' tokens are modulated by the timestep-0 embedding (diffusers' timestep
+    # batch [t, 0] and per-token modulate_index); text and the output norm keep t's. Without condition tokens
+    # the model is the plain one.
+    zero_cond_t: bool = False
 
     @property
     def inner_dim(self) -> int:
@@ -69,7 +75,7 @@ class MMDiTConfig:
     @classmethod
     def from_dict(cls, d: Mapping) -> MMDiTConfig:
         """Parse transformer/config.json; refuse unknown keys and variant flags qic does not implement."""
-        check_config_keys(d, _SIZE_KEYS + _OFF_FLAGS + _IGNORED_KEYS, COMPONENT)
+        check_config_keys(d, _SIZE_KEYS + _OFF_FLAGS + _FLAGS + _IGNORED_KEYS, COMPONENT)
         for flag in _OFF_FLAGS:
             require_value(d, flag, (False,), COMPONENT)
         missing = [k for k in _SIZE_KEYS if k not in d and k != "out_channels"]
@@ -78,9 +84,10 @@ class MMDiTConfig:
         axes = tuple(int(a) for a in d["axes_dims_rope"])
         # diffusers: out_channels null means in_channels
         out_channels = d.get("out_channels") or d["in_channels"]
+        require_value(d, "zero_cond_t", (False, True), COMPONENT)
         cfg = cls(int(d["patch_size"]), int(d["in_channels"]), int(out_channels), int(d["num_layers"]),
                   int(d["attention_head_dim"]), int(d["num_attention_heads"]), int(d["joint_attention_dim"]),
-                  axes)
+                  axes, bool(d.get("zero_cond_t", False)))
         if len(axes) != 3 or any(a % 2 for a in axes):
             raise ConfigError(f"{COMPONENT} config axes_dims_rope={list(axes)} must be three even sizes")
         if sum(axes) != cfg.attention_head_dim:
@@ -97,31 +104,47 @@ def _axis_angles(pos: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.outer(pos, inv_freq)
 
 
-def rope_positions(height: int, width: int, txt_len: int) -> torch.Tensor:
-    """[txt_len + height*width, 3] int64 (frame, row, col) positions, joint order [text | image].
-
-    Image (frame 0, scale_rope=True): rows run -(h - h//2) .. h//2 - 1 (centred, negatives for the upper
-    half), columns likewise. Text token i sits at max(h//2, w//2) + i on all three axes; diffusers takes i
-    over the padded text length, so padding never moves the valid tokens' positions.
-    """
+def _grid_positions(height: int, width: int, frame: int) -> torch.Tensor:
+    # scale_rope=True: rows run -(h - h//2) .. h//2 - 1 (centred, negatives for the upper half), columns likewise
     rows = torch.arange(height) - (height - height // 2)
     cols = torch.arange(width) - (width - width // 2)
-    img = torch.stack([torch.zeros(height, width, dtype=torch.long),
-                       rows[:, None].expand(height, width), cols[None, :].expand(height, width)], -1)
-    txt = (max(height // 2, width // 2) + torch.arange(txt_len))[:, None].expand(txt_len, 3)
-    return torch.cat([txt, img.reshape(-1, 3)], 0)
+    return torch.stack([torch.full((height, width), frame, dtype=torch.long),
+                        rows[:, None].expand(height, width), cols[None, :].expand(height, width)], -1).reshape(-1, 3)
 
 
-def rope_tables(config: MMDiTConfig, height: int, width: int, txt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [txt_len + height*width, head_dim // 2] fp32, for a packed grid height x width.
+def rope_positions(height: int, width: int, txt_len: int, conditions: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+    """[txt_len + height*width + sum(rows*cols of conditions), 3] int64 (frame, row, col) positions, joint order
+    [text | image | condition 1 | ...].
+
+    Image k (0 the output, then the condition grids in order) sits at frame k, its rows and columns centred.
+    Text token i sits at max over every grid of max(h//2, w//2), plus i, on all three axes; diffusers takes i
+    over the padded text length, so padding never moves the valid tokens' positions.
+    """
+    grids = [(height, width), *conditions]
+    images = [_grid_positions(h, w, frame) for frame, (h, w) in enumerate(grids)]
+    txt = (max(max(h // 2, w // 2) for h, w in grids) + torch.arange(txt_len))[:, None].expand(txt_len, 3)
+    return torch.cat([txt, *images], 0)
+
+
+def rope_tables(config: MMDiTConfig, height: int, width: int, txt_len: int,
+                conditions: Sequence[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [rope_positions' rows, head_dim // 2] fp32, for a packed grid height x width (and the
+    packed grids of condition images, editing's).
 
     height/width are the packed grid (pixels / vae_scale / patch). Column j rotates the pair (2j, 2j+1) of
     each head; columns are [frame | row | col] axes of axes_dims_rope[k] // 2 each, as in diffusers.
     """
-    if max(height // 2, width // 2) + txt_len > ROPE_POSITIONS or max(height, width) > ROPE_POSITIONS:
-        raise ConfigError(f"grid {height}x{width} with {txt_len} text tokens exceeds the {ROPE_POSITIONS} "
+    grids = [(height, width), *conditions]
+    if (max(max(h // 2, w // 2) for h, w in grids) + txt_len > ROPE_POSITIONS
+            or max(max(h, w) for h, w in grids) > ROPE_POSITIONS or len(grids) > ROPE_POSITIONS):
+        conds = "".join(f", condition {h}x{w}" for h, w in conditions)
+        raise ConfigError(f"grid {height}x{width}{conds} with {txt_len} text tokens exceeds the {ROPE_POSITIONS} "
                           "RoPE positions diffusers tabulates")
-    pos = rope_positions(height, width, txt_len)
+    return position_tables(config, rope_positions(height, width, txt_len, conditions))
+
+
+def position_tables(config: MMDiTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of int64 (frame, row, col) positions [N, 3]: [N, head_dim // 2] each, fp32."""
     angles = torch.cat([_axis_angles(pos[:, k], dim) for k, dim in enumerate(config.axes_dims_rope)], -1)
     return torch.cos(angles), torch.sin(angles)
 
@@ -222,7 +245,16 @@ class JointAttention(nn.Module):
 
 
 def _modulate(x, shift, scale):
-    return x * (1 + scale[:, None]) + shift[:, None]
+    # shift, scale: [B, 1, D] (every token alike) or [B, S, D] (per token: zero_cond_t's image stream)
+    return x * (1 + scale) + shift
+
+
+def _per_token(params, cond_params, cond_tokens):
+    """[B, 1, D] chunks, or with zero_cond_t each image token's: cond_params' where cond_tokens ([1, S, 1] bool,
+    the condition images' tokens) is set, params' elsewhere (diffusers' torch.where over modulate_index)."""
+    if cond_params is None:
+        return [p[:, None] for p in params]
+    return [torch.where(cond_tokens, c[:, None], p[:, None]) for p, c in zip(params, cond_params)]
 
 
 class MMDiTBlock(nn.Module):
@@ -239,16 +271,20 @@ class MMDiTBlock(nn.Module):
     def _ln(self, x):
         return F.layer_norm(x, (self.dim,), eps=EPS)
 
-    def forward(self, img, txt, temb, attn_mask, cos, sin):
+    def forward(self, img, txt, temb, attn_mask, cos, sin, cond_temb=None, cond_tokens=None):
+        """cond_temb [B, D] / cond_tokens [1, S_img, 1] bool: zero_cond_t's timestep-0 embedding and which image
+        tokens it modulates (None: every image token takes temb's)."""
         # Six chunks per stream: (shift, scale, gate) for the attention half, then for the MLP half.
-        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = self.img_mod(temb).chunk(6, -1)
-        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = self.txt_mod(temb).chunk(6, -1)
+        cond_params = None if cond_temb is None else self.img_mod(cond_temb).chunk(6, -1)
+        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = _per_token(self.img_mod(temb).chunk(6, -1), cond_params,
+                                                           cond_tokens)
+        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = _per_token(self.txt_mod(temb).chunk(6, -1), None, None)
         img_attn, txt_attn = self.attn(_modulate(self._ln(img), i_sh1, i_sc1),
                                        _modulate(self._ln(txt), t_sh1, t_sc1), attn_mask, cos, sin)
-        img = img + i_g1[:, None] * img_attn
-        txt = txt + t_g1[:, None] * txt_attn
-        img = img + i_g2[:, None] * self.img_mlp(_modulate(self._ln(img), i_sh2, i_sc2))
-        txt = txt + t_g2[:, None] * self.txt_mlp(_modulate(self._ln(txt), t_sh2, t_sc2))
+        img = img + i_g1 * img_attn
+        txt = txt + t_g1 * txt_attn
+        img = img + i_g2 * self.img_mlp(_modulate(self._ln(img), i_sh2, i_sc2))
+        txt = txt + t_g2 * self.txt_mlp(_modulate(self._ln(txt), t_sh2, t_sc2))
         if img.dtype == torch.float16:  # diffusers clips fp16 to avoid inf; a static dtype branch
             img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
         return img, txt
@@ -293,15 +329,27 @@ class QwenMMDiT(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_mask: torch.Tensor | None, timestep: torch.Tensor,
-                rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+                rope_cos: torch.Tensor, rope_sin: torch.Tensor, condition: torch.Tensor | None = None,
+                condition_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states [B, S_img, in_ch] packed latents; encoder_hidden_states [B, S_txt, joint_dim];
         encoder_hidden_states_mask [B, S_txt] (nonzero = valid) or None when every token is valid;
         timestep [B] = t / 1000 as diffusers' pipeline passes it; rope_cos/sin from rope_tables(...,
-        txt_len=S_txt). Returns [B, S_img, patch^2 * out_channels]."""
+        txt_len=S_txt, conditions=...). Editing: condition [B, S_cond, in_ch], the condition images' packed
+        latents after the noise (diffusers' torch.cat([latents, image_latents], 1)), and condition_mask
+        [B, S_cond] (nonzero = a real token; None: all are), its padding slots masked as keys like padded
+        text. Returns [B, S_img, patch^2 * out_channels]: the noise tokens' prediction only."""
+        noise_tokens = hidden_states.shape[1]
+        if condition is not None:
+            hidden_states = torch.cat([hidden_states, condition.to(hidden_states.dtype)], 1)
         img, txt, temb = self.embed(hidden_states, encoder_hidden_states, timestep)
-        attn_mask = self.attention_mask(encoder_hidden_states_mask, img)
-        img, txt = self.blocks(img, txt, temb, attn_mask, rope_cos, rope_sin)
-        return self.output(img, temb)
+        cond_temb = cond_tokens = None
+        if condition is not None and self.config.zero_cond_t:
+            cond_temb = self.time_embedding(timestep * 0, img.dtype)
+            cond_tokens = (torch.arange(img.shape[1], device=img.device) >= noise_tokens)[None, :, None]
+        attn_mask = self.attention_mask(encoder_hidden_states_mask, img, condition_mask, txt)
+        img, txt = self.blocks(img, txt, temb, attn_mask, rope_cos, rope_sin, cond_temb=cond_temb,
+                               cond_tokens=cond_tokens)
+        return self.output(img[:, :noise_tokens], temb)
 
     # The forward's three parts, also called one by one by the step-caching graphs
     # (qic/models/qwen_image/step_cache.py), which run a range of the blocks each: one definition of the arithmetic
@@ -310,24 +358,36 @@ class QwenMMDiT(nn.Module):
     def embed(self, hidden_states, encoder_hidden_states, timestep):
         """(img [B, S_img, dim], txt [B, S_txt, dim], temb [B, dim]): the input projections and timestep embedding."""
         img = self.img_in(hidden_states)
-        t = timestep.to(img.dtype)  # diffusers rounds t to the model dtype before embedding it
-        temb = self.time_text_embed.timestep_embedder(timestep_proj(t).to(img.dtype))
+        temb = self.time_embedding(timestep, img.dtype)
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         return img, txt, temb
 
-    @staticmethod
-    def attention_mask(encoder_hidden_states_mask, img):
-        if encoder_hidden_states_mask is None:
-            return None
-        # Key-padding mask over [text | image]; image keys are always valid. SDPA: True = attend.
-        img_valid = torch.ones(img.shape[:2], dtype=torch.bool, device=img.device)
-        return torch.cat([encoder_hidden_states_mask.to(torch.bool), img_valid], 1)[:, None, None, :]
+    def time_embedding(self, timestep, dtype):
+        t = timestep.to(dtype)  # diffusers rounds t to the model dtype before embedding it
+        return self.time_text_embed.timestep_embedder(timestep_proj(t).to(dtype))
 
-    def blocks(self, img, txt, temb, attn_mask, rope_cos, rope_sin, start: int = 0, stop: int | None = None):
+    @staticmethod
+    def attention_mask(encoder_hidden_states_mask, img, condition_mask=None, txt=None):
+        """The key-padding mask over [text | image | conditions] (SDPA: True = attend), or None when every key is
+        valid; the noise tokens always are. txt: the text stream, needed only for a condition mask without a
+        text mask."""
+        text_mask, batch, device = encoder_hidden_states_mask, img.shape[0], img.device
+        if text_mask is None and condition_mask is None:
+            return None
+        if text_mask is None:
+            text_mask = torch.ones(batch, txt.shape[1], dtype=torch.bool, device=device)
+        cond = 0 if condition_mask is None else condition_mask.shape[1]
+        parts = [text_mask.to(torch.bool), torch.ones(batch, img.shape[1] - cond, dtype=torch.bool, device=device)]
+        if condition_mask is not None:
+            parts.append(condition_mask.to(torch.bool))
+        return torch.cat(parts, 1)[:, None, None, :]
+
+    def blocks(self, img, txt, temb, attn_mask, rope_cos, rope_sin, start: int = 0, stop: int | None = None,
+               cond_temb=None, cond_tokens=None):
         """Blocks start..stop-1 (all by default) over both streams. Slicing works for the unrolled block list
         and for the looped one (qic/models/looped.py: a slice of the stacked weights, no copy)."""
         for block in self.transformer_blocks[start:stop]:
-            img, txt = block(img, txt, temb, attn_mask, rope_cos, rope_sin)
+            img, txt = block(img, txt, temb, attn_mask, rope_cos, rope_sin, cond_temb, cond_tokens)
         return img, txt
 
     def output(self, img, temb):

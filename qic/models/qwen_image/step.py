@@ -42,11 +42,14 @@ class DenoiseStep(nn.Module):
     def forward(self, latents: torch.Tensor, text_embeds: torch.Tensor, text_mask: torch.Tensor | None,
                 timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                 guidance: torch.Tensor | None, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                cfg_rank: torch.Tensor | None = None, sp_rank: torch.Tensor | None = None) -> torch.Tensor:
+                cfg_rank: torch.Tensor | None = None, sp_rank: torch.Tensor | None = None,
+                condition: torch.Tensor | None = None, condition_mask: torch.Tensor | None = None) -> torch.Tensor:
         """latents [B, S_img, C] packed; timestep, sigma, sigma_next: 0-dim fp32 tensors (timestep = the
         scheduler's t, i.e. sigma * 1000); guidance: 0-dim (every image) or [B] (one per image) fp32;
         rope tables from rope_tables(config, h, w, L); cfg_rank / sp_rank: this rank's CFG branch and Ulysses
-        shard, [1] int64 (the parallel layouts only). Returns the next latents [B, S_img, C] in latents' dtype."""
+        shard, [1] int64 (the parallel layouts only). Editing: condition [B, K, C], each image's condition latents
+        (both CFG branches read the same), condition_mask [B, K] (nonzero = a real token, the rest spare slots),
+        and rope tables over [text | image | conditions]. Returns the next latents [B, S_img, C] in latents' dtype."""
         images = latents.shape[0]
         rows = 2 * images if self.cfg else images
         if text_embeds.shape[0] != rows:
@@ -56,7 +59,14 @@ class DenoiseStep(nn.Module):
                                                        cfg_rank)
         rows = model_in.shape[0]
         t = model_timestep(timestep, latents, rows)
-        if self.shard is not None:
+        if condition is not None:
+            if self.shard is not None:
+                raise ValueError("condition tokens under Ulysses are not implemented")
+            repeat = rows // images   # both CFG branches of an image read its conditions
+            condition = condition.repeat(repeat, 1, 1)
+            condition_mask = None if condition_mask is None else condition_mask.repeat(repeat, 1)
+            pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin, condition, condition_mask)
+        elif self.shard is not None:
             pred = self.shard(self.mmdit, model_in, text_embeds, text_mask, t, rope_cos, rope_sin, sp_rank)
         else:
             pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin)

@@ -62,7 +62,10 @@ class TextEncoderConfig:
     num_kv_heads: int
     rms_norm_eps: float
     rope_theta: float = 1000000.0  # transformers' default for Qwen2.5-VL (4.x and 5.x alike)
-    mrope_section: tuple[int, ...] | None = None  # kept for the record; text-only arithmetic ignores it
+    # mRoPE's split of the rotary frequencies between the (temporal, height, width) positions: used with image
+    # tokens (the Edit models' prompts); text alone has all three alike, plain RoPE.
+    mrope_section: tuple[int, ...] | None = None
+    image_token_id: int = 151655   # <|image_pad|>, the multimodal config's (Qwen2.5-VL's id by default)
 
     @property
     def head_dim(self) -> int:
@@ -120,6 +123,7 @@ class TextEncoderConfig:
             rms_norm_eps=float(need("rms_norm_eps")),
             rope_theta=float(theta),
             mrope_section=tuple(rope["mrope_section"]) if "mrope_section" in rope else None,
+            image_token_id=int(d.get("image_token_id", t.get("image_token_id", cls.image_token_id))),
         )
 
         if cfg.hidden_size % cfg.num_heads:
@@ -299,15 +303,42 @@ class QwenTextEncoder(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def mrope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [L, head_dim] for mRoPE positions [3, L] (temporal, height, width), as Qwen2.5-VL's
+        apply_multimodal_rotary_pos_emb assembles them: the rotary frequencies in consecutive runs of
+        mrope_section (16, 24, 24 in the hub's config), run k from axis k, over both halves of the head."""
+        cfg, dev = self.config, position_ids.device
+        if cfg.mrope_section is None:
+            raise ConfigError(f"{COMPONENT} config has no mrope_section: image tokens need mRoPE's split")
+        d = cfg.head_dim
+        theta = torch.tensor(cfg.rope_theta, dtype=torch.float32, device=dev)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=dev) / d))
+        angles = position_ids.float()[:, :, None] * inv_freq   # [3, L, d/2]: each axis at every frequency
+        axis = torch.repeat_interleave(torch.arange(3, device=dev), torch.tensor(cfg.mrope_section, device=dev),
+                                       output_size=d // 2)
+        angles = torch.where(axis == 1, angles[1], torch.where(axis == 2, angles[2], angles[0]))
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, L] int64; attention_mask [B, L] (1 valid, 0 padding; any dtype); pad on the right.
+        Editing's prompts: position_ids [3, L] int64 mRoPE positions shared by the batch (the host's, as
+        transformers' get_rope_index gives them), and image_embeds [N, hidden], the vision tower's features of
+        every condition image in order, written over each row's N valid <|image_pad|> tokens.
 
         Returns the final-normed hidden state [B, L, hidden]. Padded positions hold finite values of no
         meaning.
         """
         x = self.model.embed_tokens(input_ids)
         n = input_ids.shape[1]
-        cos, sin = self.rope(n, x.dtype, x.device)
+        cos, sin = self.rope(n, x.dtype, x.device) if position_ids is None else self.mrope(position_ids, x.dtype)
+        if image_embeds is not None:
+            # only valid tokens are slots; slot k of a row reads feature row k (masked_scatter's order), clamped
+            # so that a prompt with more slots than features cannot index past the table
+            is_image = (input_ids == self.config.image_token_id) & (attention_mask != 0)
+            slot = (torch.cumsum(is_image.long(), dim=1) - 1).clamp(0, image_embeds.shape[0] - 1)
+            x = torch.where(is_image[..., None], image_embeds.to(x.dtype)[slot], x)
         # Causal AND key-padding, as an additive bias. A finite minimum instead of -inf keeps rows
         # with no visible key (left padding) finite instead of NaN; NaN in a padded row would poison
         # anything that later multiplies it by a zero mask.

@@ -208,6 +208,22 @@ class Decoder2d(nn.Module):
 
 # ------------------------------------------------------------------------------------------------ model
 
+def sized_with_stats(module: nn.Module, config: VAEConfig, height: int, width: int) -> None:
+    """One half of the VAE built for one image size: the size checked against the 2x2 packing of the latent grid,
+    and the latent statistics held as buffers (from config.json, not the weights file: out of state_dict)."""
+    step = 2 * config.scale_factor  # 2x2 packing of a latent grid 1/sf the image size
+    if height <= 0 or width <= 0 or height % step or width % step:
+        raise ConfigError(f"image size {height}x{width} is not a positive multiple of {step} "
+                          f"(VAE scale factor {config.scale_factor} times the 2x2 latent packing)")
+    module.config = config
+    module.height, module.width = height, width
+    stat = dict(dtype=torch.float32)
+    module.register_buffer("latents_mean", torch.tensor(config.latents_mean, **stat).view(1, -1, 1, 1),
+                           persistent=False)
+    module.register_buffer("latents_std", torch.tensor(config.latents_std, **stat).view(1, -1, 1, 1),
+                           persistent=False)
+
+
 class QwenVAEDecoder(nn.Module):
     """Packed, normalised latents [B, (H/sf/2)(W/sf/2), 4z] -> image [B, C, H, W] in [-1, 1], fp32.
 
@@ -217,20 +233,9 @@ class QwenVAEDecoder(nn.Module):
 
     def __init__(self, config: VAEConfig, height: int, width: int):
         super().__init__()
-        step = 2 * config.scale_factor  # 2x2 packing of a latent grid 1/sf the image size
-        if height <= 0 or width <= 0 or height % step or width % step:
-            raise ConfigError(f"image size {height}x{width} is not a positive multiple of {step} "
-                              f"(VAE scale factor {config.scale_factor} times the 2x2 latent packing)")
-        self.config = config
-        self.height, self.width = height, width
+        sized_with_stats(self, config, height, width)
         self.post_quant_conv = nn.Conv2d(config.z_dim, config.z_dim, 1)
         self.decoder = Decoder2d(config)
-        # statistics come from config.json, not the weights file: keep them out of state_dict
-        stat = dict(dtype=torch.float32)
-        self.register_buffer("latents_mean", torch.tensor(config.latents_mean, **stat).view(1, -1, 1, 1),
-                             persistent=False)
-        self.register_buffer("latents_std", torch.tensor(config.latents_std, **stat).view(1, -1, 1, 1),
-                             persistent=False)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         # diffusers divides by 1/std; multiplying by std is the same map (differs only by fp32 rounding)
@@ -245,16 +250,21 @@ class QwenVAEDecoder(nn.Module):
 # -------------------------------------------------------------------------------------------- weights
 
 def vae_decoder_state_dict(mapping: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint VAE tensors (diffusers names, 3D kernels) -> QwenVAEDecoder's state_dict, fp32.
+    """Checkpoint VAE tensors (diffusers names, 3D kernels) -> QwenVAEDecoder's state_dict, fp32: decoder.* and
+    post_quant_conv.* (vae_half_state_dict)."""
+    return vae_half_state_dict(mapping, ("decoder.", "post_quant_conv."))
 
-    Keeps decoder.* and post_quant_conv.*; drops encoder.*, quant_conv.* and the upsample3d time_conv
-    tensors (unused at T=1, see the module docstring). 5D conv kernels become their last temporal slice;
-    RMS-norm gammas become (C, 1, 1). Only the kept names are read, so a lazy mapping loads nothing else.
-    Missing tensors are left for load_weights to name.
+
+def vae_half_state_dict(mapping: Mapping[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The checkpoint VAE tensors under `prefixes` (one half of the autoencoder), made 2D, fp32.
+
+    Drops the temporal resamplers' time_conv tensors (unused at T=1, see the module docstring). 5D conv kernels
+    become their last temporal slice; RMS-norm gammas become (C, 1, 1). Only the kept names are read, so a lazy
+    mapping loads nothing else. Missing tensors are left for load_weights to name.
     """
     out = {}
     for name in mapping.keys():
-        if not (name.startswith("decoder.") or name.startswith("post_quant_conv.")) or ".time_conv." in name:
+        if not name.startswith(prefixes) or ".time_conv." in name:
             continue
         t = mapping[name]
         if name.endswith(".gamma"):

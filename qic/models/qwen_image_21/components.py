@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from qic.errors import ConfigError
 from qic.family import Component
+from qic.host.image_tokens import IMAGE_PAD
 from qic.host.schedule import check_scheduler_config
 from qic.models.qwen_image_21.denoiser import TP_PLAN as DENOISER_TP
 from qic.models.qwen_image_21.denoiser import DenoiserConfig, QwenImage21Denoiser, denoiser_state_dict
@@ -34,7 +35,7 @@ from qic.models.qwen_image_21.graphs import (
     vision_graph,
 )
 from qic.models.qwen_image_21.host.processor import image_processor_settings
-from qic.models.qwen_image_21.host.prompt import IMAGE_PAD, SYSTEM_MESSAGE, prompt_text
+from qic.models.qwen_image_21.host.prompt import SYSTEM_MESSAGE, prompt_text
 from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE, vision_grid
 from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS, prefix_sizes
 from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
+from qic.models.common import VisionAttention, vision_config
 
 COMPONENT = "vision"
 
@@ -55,24 +56,7 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, d: Mapping) -> "VisionConfig":
         """vision_config of text_encoder/config.json (a Qwen3VLConfig), or that mapping itself."""
-        v = d.get("vision_config", d)
-
-        def get(key, default=None):
-            value = v.get(key, default)
-            if value is None:
-                raise ConfigError(f"{COMPONENT} config lacks vision_config.{key}")
-            return value
-
-        if get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise ConfigError(f"{COMPONENT} config sets vision_config.hidden_act={v['hidden_act']!r}; "
-                              "qic implements only gelu_pytorch_tanh")
-        rope = v.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ConfigError(f"{COMPONENT} config sets vision_config.rope_parameters.rope_type="
-                              f"{rope['rope_type']!r}; qic implements only axial")
-        for key in ("patch_size", "temporal_patch_size"):
-            if not isinstance(v.get(key, 1), int):
-                raise ConfigError(f"{COMPONENT} config sets vision_config.{key}={v[key]!r}; qic needs one int")
+        v, get, rope = vision_config(d, COMPONENT, "gelu_pytorch_tanh")
         cfg = cls(
             depth=get("depth"), hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
             num_heads=get("num_heads"), in_channels=get("in_channels", 3), patch_size=get("patch_size", 16),
@@ -131,29 +115,6 @@ def _bilinear_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Ten
     return taps, weights
 
 
-class _Attention(nn.Module):
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-
-    def forward(self, x, cos, sin):
-        n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.heads, self.head_dim).unbind(1)
-        # RoPE in fp32, cast back (transformers' apply_rotary_pos_emb_vision)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)  # the whole image, no mask
-        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class _MLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -169,7 +130,7 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = _Attention(cfg)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
         self.mlp = _MLP(cfg)
 
     def forward(self, x, cos, sin):

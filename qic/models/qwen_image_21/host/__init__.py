@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 
 from qic.errors import ConfigError
+from qic.host.image_tokens import IMAGE_PAD, expand_image_pads, mrope_positions
 from qic.host.options import request_class
 from qic.host.prompt import pick_bucket
 from qic.models.qwen_image_21.host.conditions import (
@@ -41,7 +42,7 @@ from qic.models.qwen_image_21.host.conditions import (
     read_images,
     vision_grids,
 )
-from qic.models.qwen_image_21.host.prompt import IMAGE_PAD, expand_image_pads, mrope_positions, prompt_text
+from qic.models.qwen_image_21.host.prompt import prompt_text
 from qic.models.qwen_image_21.host.sampling import (
     DEFAULT_STEPS,
     OUTPUT_RESOLUTION,
