@@ -20,6 +20,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # PIL backend: no torchvision
 
 from qic.errors import ConfigError
+from qic.host.condition_images import vision_grid
 from qic.models.common import load_weights
 from qic.models.qwen_image_21.host import sampling as s
 from qic.models.qwen_image_21.vae import (
@@ -101,10 +102,10 @@ def test_sizes_that_round_to_nothing_are_refused():
 @pytest.mark.parametrize("hw", [(1024, 1024), (768, 1344), (64, 96), (32, 2048), (4096, 4096), (224, 160)])
 def test_vision_grid_is_smart_resize(hw):
     lo, hi = 65536, 16777216
-    gh, gw = s.vision_grid(*hw, patch_size=16, merge_size=2, min_pixels=lo, max_pixels=hi)
+    gh, gw = vision_grid(*hw, patch_size=16, merge_size=2, min_pixels=lo, max_pixels=hi)
     want_h, want_w = smart_resize(*hw, factor=32, min_pixels=lo, max_pixels=hi)
     assert (gh * 16, gw * 16) == (want_h, want_w)
-    small = s.vision_grid(*hw, max_pixels=256 * 256)
+    small = vision_grid(*hw, max_pixels=256 * 256)
     assert (small[0] * 16, small[1] * 16) == smart_resize(*hw, factor=32, min_pixels=lo, max_pixels=256 * 256)
 
 
@@ -317,3 +318,19 @@ def test_the_check_can_fail(vae):
     err = rel_l2(torch.cat(ours.cond_tokens, dim=1), dit.calls[0].x[:, :-n])
     print(f"condition flattened for the VAE: rel-L2 {err:.2e}")
     assert err > 100 * fp32_reorder_bound(576, 60)
+
+
+@pytest.mark.parametrize("wh", [(70, 50), (1920, 1080), (333, 1999), (1000, 1000)])
+def test_edit_plus_sizes_are_its_pipelines(wh):
+    """The same sizing serves the Edit Plus pipeline (qic.host.condition_images): its VAE side at 1024*1024 and its
+    vision side at 384*384 pixels, then Qwen2.5-VL's processor (patch 14, merge 2) on the vision copy."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
+
+    from qic.host.condition_images import calculate_dimensions
+    w, h = wh
+    for area in (edit_plus.VAE_IMAGE_SIZE, edit_plus.CONDITION_IMAGE_SIZE):
+        want_w, want_h = edit_plus.calculate_dimensions(area, w / h)
+        assert calculate_dimensions(area, w / h) == (want_h, want_w)
+    ch, cw = calculate_dimensions(edit_plus.CONDITION_IMAGE_SIZE, w / h)
+    gh, gw = vision_grid(ch, cw, patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12845056)
+    assert (gh * 14, gw * 14) == smart_resize(ch, cw, factor=28, min_pixels=3136, max_pixels=12845056)

@@ -129,8 +129,8 @@ def test_vision_pixels_are_the_image_processors(size):
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from qic.host.condition_images import vision_grid
     from qic.models.qwen_image_21.host.processor import IMAGE_MEAN, IMAGE_STD, vision_pixels
-    from qic.models.qwen_image_21.host.sampling import vision_grid
     cfg = VisionConfig.from_dict(_config_dict())
     h, w = size
     rgb = np.random.default_rng(h).integers(0, 256, (h, w, 3), dtype=np.uint8)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from qic.errors import ConfigError
 from qic.family import Component
+from qic.host.condition_images import vision_grid
 from qic.host.image_tokens import IMAGE_PAD
 from qic.host.schedule import check_scheduler_config
 from qic.models.qwen_image_21.denoiser import TP_PLAN as DENOISER_TP
@@ -36,7 +37,7 @@ from qic.models.qwen_image_21.graphs import (
 )
 from qic.models.qwen_image_21.host.processor import image_processor_settings
 from qic.models.qwen_image_21.host.prompt import SYSTEM_MESSAGE, prompt_text
-from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE, vision_grid
+from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE
 from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS, prefix_sizes
 from qic.models.qwen_image_21.looped import LoopedQwenImage21Denoiser
 from qic.models.qwen_image_21.text_encoder import TP_PLAN as TEXT_ENCODER_TP

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from qic.errors import ConfigError
+from qic.host.condition_images import open_image
 from qic.models.qwen_image_21.host.processor import vision_pixels
 from qic.models.qwen_image_21.host.sampling import VAE_SCALE, condition_pixels, condition_size, vision_image
 from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS
@@ -48,19 +49,7 @@ def read_images(values, conditions: dict) -> list[Image.Image]:
     if len(values) > conditions["images"]:
         raise ConfigError(f"{len(values)} condition images; this bundle takes at most {conditions['images']}",
                           f"rebuild with --condition-images {len(values)}, or give fewer --image")
-    return [v if isinstance(v, Image.Image) else _open(Path(v)) for v in values]
-
-
-def _open(path: Path) -> Image.Image:
-    try:
-        with Image.open(path) as im:
-            im.load()   # decodes now: a truncated file fails here, not halfway through a run
-            return im.copy()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: condition image not found") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
-            from None
+    return [v if isinstance(v, Image.Image) else open_image(Path(v)) for v in values]
 
 
 def condition_sizes(images: list[Image.Image], conditions: dict, output_resolution: int,

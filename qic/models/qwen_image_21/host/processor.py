@@ -30,8 +30,8 @@ DEFAULTS = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "min_pi
 
 def vision_pixels(image, grid: tuple[int, int], patch_size: int, mean=IMAGE_MEAN, std=IMAGE_STD) -> torch.Tensor:
     """An RGB PIL image -> the normalised [3, gh * patch, gw * patch] float32 image the processor patchifies
-    (grid (gh, gw) from sampling.vision_grid; the vision graph patchifies it): PIL bicubic resize of the uint8
-    image, scaled by 1/255, then (x - mean) / std per channel, as Qwen2VLImageProcessorPil does."""
+    (grid (gh, gw) from qic.host.condition_images.vision_grid; the vision graph patchifies it): PIL bicubic resize
+    of the uint8 image, scaled by 1/255, then (x - mean) / std per channel, as Qwen2VLImageProcessorPil does."""
     from PIL import Image
     gh, gw = grid
     resized = image.convert("RGB").resize((gw * patch_size, gh * patch_size), Image.Resampling.BICUBIC)

@@ -11,7 +11,6 @@ written where they happen.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from PIL import Image
 
 from qic.errors import ConfigError
+from qic.host.condition_images import calculate_dimensions
 from qic.host.schedule import Schedule, schedule_of
 
 VAE_SCALE = 16  # the pipeline hard-codes it (`self.vae_scale_factor = 16`), whatever the VAE config says
@@ -64,14 +64,6 @@ def model_timesteps(sched: Schedule) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- sizes
 
-def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
-    """(height, width) of about `target_area` pixels at aspect `ratio` = w/h, each side rounded (Python's
-    round: halves to even) to a multiple of 32. The pipeline's calculate_dimensions returns (w, h)."""
-    width = math.sqrt(target_area * ratio)
-    height = width / ratio
-    return round(height / 32) * 32, round(width / 32) * 32
-
-
 def condition_size(image_height: int, image_width: int,
                    output_resolution: int = OUTPUT_RESOLUTION) -> tuple[int, int]:
     """VAE-side (and processor-input) size of a condition image: output_resolution**2 pixels at its aspect."""
@@ -91,29 +83,6 @@ def output_size(output_resolution: int = OUTPUT_RESOLUTION, last_condition: tupl
         height, width = height or h, width or w
     height, width = height or output_resolution, width or output_resolution
     return height // SIZE_MULTIPLE * SIZE_MULTIPLE, width // SIZE_MULTIPLE * SIZE_MULTIPLE
-
-
-def vision_grid(height: int, width: int, patch_size: int = 16, merge_size: int = 2,
-                min_pixels: int = 65536, max_pixels: int = 16777216) -> tuple[int, int]:
-    """Qwen3-VL's image processor on a condition image of (height, width) (smart_resize: multiples of
-    patch*merge, pixel count clamped): its (grid_h, grid_w) in patches. The text holds
-    grid_h*grid_w/merge**2 <|image_pad|> tokens for it. The defaults are Qwen3-VL's published
-    preprocessor_config.json (size shortest_edge 65536, longest_edge 16777216, patch 16, merge 2); 2.1's own
-    processor config was not found (tests/fixtures/qwen-image-2.1-configs/README.md): pass the checkpoint's."""
-    factor = patch_size * merge_size
-    if max(height, width) / min(height, width) > 200:
-        raise ConfigError(f"condition image {height}x{width}: aspect ratio above 200")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h // patch_size, w // patch_size
 
 
 # -------------------------------------------------------------------------------------------- images

@@ -1,0 +1,57 @@
+"""Condition images on the host, as the Qwen-Image family's pipelines size and read them (Edit Plus and 2.1 alike):
+the area-and-aspect sizing both use, Qwen-VL's image-processor resize as a patch grid, and reading an image file
+so that a missing, corrupt or truncated one is one line naming it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from qic.errors import ConfigError
+
+
+def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
+    """(height, width) of about `target_area` pixels at aspect `ratio` = w/h, each side rounded (Python's
+    round: halves to even) to a multiple of 32. The pipeline's calculate_dimensions returns (w, h)."""
+    width = math.sqrt(target_area * ratio)
+    height = width / ratio
+    return round(height / 32) * 32, round(width / 32) * 32
+
+
+def vision_grid(height: int, width: int, patch_size: int = 16, merge_size: int = 2,
+                min_pixels: int = 65536, max_pixels: int = 16777216) -> tuple[int, int]:
+    """A Qwen-VL image processor on a condition image of (height, width) (smart_resize: multiples of
+    patch*merge, pixel count clamped): its (grid_h, grid_w) in patches. The text holds
+    grid_h*grid_w/merge**2 <|image_pad|> tokens for it. The defaults are Qwen3-VL's published
+    preprocessor_config.json (size shortest_edge 65536, longest_edge 16777216, patch 16, merge 2); Qwen2.5-VL's
+    (the Edit models') are patch 14, merge 2, min_pixels 3136, max_pixels 12845056: pass the checkpoint's."""
+    factor = patch_size * merge_size
+    if max(height, width) / min(height, width) > 200:
+        raise ConfigError(f"condition image {height}x{width}: aspect ratio above 200")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h // patch_size, w // patch_size
+
+
+def open_image(path: Path) -> Image.Image:
+    """The image file decoded now (a truncated file fails here, not halfway through a run): one line naming the
+    file when it is missing or not a readable image."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.copy()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: condition image not found") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
+            from None
