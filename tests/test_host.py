@@ -90,3 +90,23 @@ def test_template_matches_diffusers_and_buckets():
     assert prompt.pick_bucket(77, [0]) == 0
     with pytest.raises(QicError, match="longer than the largest text bucket"):
         prompt.pick_bucket(200, [64, 128])
+
+
+@pytest.mark.parametrize("images", [1, 2, 3])
+def test_edit_prompt_text_is_the_edit_pipelines(images):
+    """QwenImageEditPlusPipeline's text (its template around "Picture i: <vision tokens>" per image and the prompt)
+    and QwenImageEditPipeline's (one image inline), with the 64 dropped tokens they both skip."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    from qic.host.prompt import EDIT_DROP_TOKENS, edit_prompt_text
+    parts = dict(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None, transformer=None)
+    plus, v1 = QwenImageEditPlusPipeline(**parts), QwenImageEditPipeline(**parts)
+    prompt = "make the circle red"
+    pictures = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>" for i in range(images))
+    assert edit_prompt_text(prompt, images) == plus.prompt_template_encode.format(pictures + prompt)
+    assert EDIT_DROP_TOKENS == plus.prompt_template_encode_start_idx == v1.prompt_template_encode_start_idx
+    if images == 1:
+        assert edit_prompt_text(prompt, 1, plus=False) == v1.prompt_template_encode.format(prompt)
+    else:
+        with pytest.raises(QicError, match="one condition image"):
+            edit_prompt_text(prompt, images, plus=False)

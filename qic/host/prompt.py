@@ -20,6 +20,31 @@ DROP_TOKENS = 34
 MAX_PROMPT_TOKENS = 1024  # diffusers' tokenizer_max_length; the encoder sees at most this + DROP_TOKENS
 
 
+# The Edit pipelines' template (QwenImageEditPipeline, QwenImageEditPlusPipeline): another system message, whose
+# first EDIT_DROP_TOKENS tokens the denoiser never sees (their prompt_template_encode_start_idx). Edit (v1) holds its
+# one image inline before the prompt; Edit Plus announces each as "Picture i: " before the prompt.
+EDIT_SYSTEM = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n"
+)
+EDIT_DROP_TOKENS = 64
+VISION_TOKENS = "<|vision_start|><|image_pad|><|vision_end|>"   # one image, before the processor expands the pad
+
+
+def edit_prompt_text(prompt: str, images: int, plus: bool = True) -> str:
+    """The text an Edit pipeline hands its processor for one prompt and `images` condition images (Edit: one)."""
+    if plus:
+        head = "".join(f"Picture {i}: {VISION_TOKENS}" for i in range(1, images + 1))
+    elif images == 1:
+        head = VISION_TOKENS
+    else:
+        raise QicError(f"Qwen-Image-Edit takes one condition image, got {images}",
+                       "use an Edit Plus checkpoint (2509, 2511) for several")
+    return f"{EDIT_SYSTEM}{head}{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def apply_template(prompt: str) -> str:
     return TEMPLATE.format(prompt)
 
