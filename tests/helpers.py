@@ -178,3 +178,19 @@ class DecodePrefix:
         if part not in ("decode", "decode-images"):
             return g
         return lambda target, ts, k, v, *rest: g(target, ts, *self.prefix(k, v), *rest)
+
+
+def scheduler_at_step(seq_len: int, steps: int = 6, i: int = 2):
+    """(FlowMatchEulerDiscreteScheduler of the tiny preset set for `steps` steps at an image of seq_len tokens,
+    begun at step i, i): where a test takes one pipeline step to compare a denoise step graph with."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    from qic.checkpoint.presets import preset
+    sched = FlowMatchEulerDiscreteScheduler.from_config(preset("tiny")["scheduler"])
+    c = sched.config
+    mu = calculate_shift(seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    sched.set_begin_index(i)
+    return sched, i

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from diffusers import QwenImageTransformer2DModel
 
 from qic.checkpoint.presets import preset
 from qic.errors import CheckpointError, ConfigError
 from qic.models.common import load_weights
 from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict, rope_tables
 from qic.models.qwen_image.step import DenoiseStep
-from tests.helpers import mmdit_bound, rel_l2, sensitize_
+from tests.helpers import mmdit_bound, rel_l2, scheduler_at_step, sensitize_
 
 TOL = max(mmdit_bound("tiny"), mmdit_bound("tiny-alt"))  # fp32 summation-order bound, ~2.9e-5
 # Non-square packed grids (rows, cols), odd sizes included: the centred RoPE rows differ for odd/even.
@@ -79,15 +77,6 @@ def test_mmdit_matches_diffusers(models):
         assert rel_l2(_ref(ref, x, e, mask, t, grid)[1], base[1]) > 100 * TOL
 
 
-def _scheduler_step_index(seq_len, steps=6, i=2):
-    sched = FlowMatchEulerDiscreteScheduler.from_config(preset("tiny")["scheduler"])
-    c = sched.config
-    mu = calculate_shift(seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
-    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    sched.set_begin_index(i)
-    return sched, i
-
-
 @pytest.mark.parametrize("guidance", [4.0, None])
 def test_denoise_step_matches_pipeline(models, guidance):
     """Reference: the pipeline's per-prompt transformer calls (each at its own unpadded length, no mask),
@@ -98,7 +87,7 @@ def test_denoise_step_matches_pipeline(models, guidance):
     latents = torch.randn(1, grid[0] * grid[1], config.in_channels, generator=g)
     cond = torch.randn(1, len_c, config.joint_attention_dim, generator=g)
     neg = torch.randn(1, len_n, config.joint_attention_dim, generator=g)
-    sched, i = _scheduler_step_index(latents.shape[1])
+    sched, i = scheduler_at_step(latents.shape[1])
     t = sched.timesteps[i]
 
     ts = t.expand(1).to(latents.dtype) / 1000

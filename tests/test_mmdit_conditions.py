@@ -18,7 +18,7 @@ from qic.models.qwen_image.mmdit import (
     rope_positions,
     rope_tables,
 )
-from tests.helpers import mmdit_bound, rel_l2, sensitize_
+from tests.helpers import mmdit_bound, rel_l2, scheduler_at_step, sensitize_
 
 TOL = mmdit_bound("tiny")   # fp32 summation-order bound; the ~40 tokens attended are far below its reduction length
 GRID = (3, 5)                       # the output's packed grid (rows, cols), odd on purpose
@@ -157,18 +157,13 @@ def test_the_looped_form_reads_conditions_as_the_unrolled_one(models):
 def test_a_whole_edit_step_is_the_pipelines(models):
     """DenoiseStep with conditions against QwenImageEditPlusPipeline's loop body: each branch's transformer call on
     [latents | image latents] sliced to the latents, true CFG with its norm rescale, the scheduler's Euler step."""
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     from qic.models.qwen_image.step import DenoiseStep
     ref, ours, config = models
     noise, cond, _ = _inputs(config, batch=1)
     g = torch.Generator().manual_seed(4)
     pos, neg = (torch.randn(1, n, config.joint_attention_dim, generator=g) for n in (TXT, 4))
-    sched = FlowMatchEulerDiscreteScheduler.from_config(preset("tiny")["scheduler"])
-    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / 6, 6), mu=0.5)
-    sched.set_begin_index(2)
-    t = sched.timesteps[2]
+    sched, i = scheduler_at_step(noise.shape[1])
+    t = sched.timesteps[i]
     ts = t.expand(1).to(noise.dtype) / 1000
     cond_pred, neg_pred = (_ref(ref, noise, cond, e, None, ts) for e in (pos, neg))
     comb = neg_pred + 4.0 * (cond_pred - neg_pred)
@@ -179,7 +174,7 @@ def test_a_whole_edit_step_is_the_pipelines(models):
     text[0], text[1, :4] = pos[0], neg[0]
     mask = torch.zeros(2, TXT, dtype=torch.long)
     mask[0], mask[1, :4] = 1, 1
-    sigma, sigma_next = sched.sigmas[2], sched.sigmas[3]
+    sigma, sigma_next = sched.sigmas[i], sched.sigmas[i + 1]
     cos, sin = rope_tables(config, *GRID, TXT, CONDITIONS)
     with torch.no_grad():
         got = DenoiseStep(ours)(noise, text, mask, t, sigma, sigma_next, torch.tensor(4.0), cos, sin,

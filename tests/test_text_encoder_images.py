@@ -79,24 +79,27 @@ def _ours(encoder, vision, ids, mask, pixels, positions=True, images=True):
         return encoder(ids, mask, pos, feats)
 
 
-def test_images_in_the_prompt_match_transformers(models):
-    ref, encoder, vision = models
+@pytest.fixture(scope="module")
+def one_prompt(models):
+    """One prompt with the two images, unpadded: (ids, mask, pixels, the reference's hidden states)."""
     ids = torch.tensor([_prompt()])
     mask = torch.ones_like(ids)
     pixels = _pixels()
-    want = _reference(ref, ids, mask, pixels)
+    return ids, mask, pixels, _reference(models[0], ids, mask, pixels)
+
+
+def test_images_in_the_prompt_match_transformers(models, one_prompt):
+    _, encoder, vision = models
+    ids, mask, pixels, want = one_prompt
     got = _ours(encoder, vision, ids, mask, pixels)
     err = rel_l2(got, want)
     print(f"rel-L2 {err:.1e} (bound {BOUND:.1e})")
     assert got.shape == want.shape and err <= BOUND
 
 
-def test_the_check_fails_at_1d_positions_without_features_or_with_images_swapped(models):
-    ref, encoder, vision = models
-    ids = torch.tensor([_prompt()])
-    mask = torch.ones_like(ids)
-    pixels = _pixels()
-    want = _reference(ref, ids, mask, pixels)
+def test_the_check_fails_at_1d_positions_without_features_or_with_patches_shuffled(models, one_prompt):
+    _, encoder, vision = models
+    ids, mask, pixels, want = one_prompt
     same_size = [p[torch.randperm(p.shape[0], generator=torch.Generator().manual_seed(5))] for p in pixels]
     variants = {
         "1-D positions (diffusers 0.42, transformers 5)": _ours(encoder, vision, ids, mask, pixels, positions=False),

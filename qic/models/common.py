@@ -180,6 +180,37 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def image_slots(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int, features: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a Qwen-VL language model's image features go: (is_image [B, L] bool, slot [B, L]), the valid
+    <|image_pad|> tokens (padding whose id happens to be one stays text) and the feature row each reads, slot k of
+    a row reading row k (masked_scatter's order), clamped to `features` rows so that a prompt with more slots than
+    features cannot index past the table on a device that does not check."""
+    is_image = (input_ids == image_token_id) & (attention_mask != 0)
+    slot = (torch.cumsum(is_image.long(), dim=1) - 1).clamp(0, features - 1)
+    return is_image, slot
+
+
+def merge_block_rows_cols(k: torch.Tensor, grid_w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) in the patch grid of patch k of a Qwen-VL processor's merge-block order (block row, block column,
+    row in block, column in block), for a grid grid_w patches wide."""
+    blocks_w = grid_w // merge
+    row = (k // (merge * merge * blocks_w)) * merge + (k // merge) % merge
+    col = ((k // (merge * merge)) % blocks_w) * merge + k % merge
+    return row, col
+
+
+def vision_rope(row: torch.Tensor, col: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Qwen-VL vision tower's 2-D RoPE for patches at (row, col): head_dim/4 frequencies over head_dim/2, rows
+    then columns, the halves repeated (transformers' axial vision rotary). cos/sin [n, 1, head_dim] fp32."""
+    spatial, device = head_dim // 2, row.device
+    theta = torch.tensor(theta, dtype=torch.float32, device=device)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial))
+    angles = torch.cat((row.float()[:, None] * inv_freq, col.float()[:, None] * inv_freq), dim=-1)
+    angles = torch.cat((angles, angles), dim=-1)[:, None]   # broadcast over heads
+    return angles.cos(), angles.sin()
+
+
 class VisionAttention(nn.Module):
     """A Qwen-VL vision block's attention over one image's patches [n, hidden]: fused qkv, 2-D RoPE applied in fp32
     and cast back (transformers' apply_rotary_pos_emb_vision; cos/sin [n, 1, head_dim]), SDPA with an optional key

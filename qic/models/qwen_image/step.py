@@ -65,11 +65,10 @@ class DenoiseStep(nn.Module):
             repeat = rows // images   # both CFG branches of an image read its conditions
             condition = condition.repeat(repeat, 1, 1)
             condition_mask = None if condition_mask is None else condition_mask.repeat(repeat, 1)
-            pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin, condition, condition_mask)
-        elif self.shard is not None:
+        if self.shard is not None:
             pred = self.shard(self.mmdit, model_in, text_embeds, text_mask, t, rope_cos, rope_sin, sp_rank)
         else:
-            pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin)
+            pred = self.mmdit(model_in, text_embeds, text_mask, t, rope_cos, rope_sin, condition, condition_mask)
         if self.cfg_parallel:
             pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import CheckpointError, ConfigError
-from qic.models.common import RMSNorm, RowLinear, VocabEmbedding, check_config_keys
+from qic.models.common import RMSNorm, RowLinear, VocabEmbedding, check_config_keys, image_slots, rotate_half
 from qic.models.looped import StackedLayers, template_layer
 
 COMPONENT = "text_encoder"
@@ -189,12 +189,6 @@ def _tp_local(count: int, tp_size: int, what: str) -> int:
     return count // tp_size
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # Qwen2 pairs dimension i with i + head_dim/2 (split halves, not interleaved pairs).
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class _Attention(nn.Module):
     def __init__(self, cfg: TextEncoderConfig, tp_size: int):
         super().__init__()
@@ -212,8 +206,8 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         # GQA: query head h uses kv head h // (heads / kv_heads). Explicit repeat, not SDPA's enable_gqa,
         # so every backend sees plain equal-head attention.
         rep = self.heads // self.kv_heads
@@ -286,6 +280,14 @@ class QwenTextEncoder(nn.Module):
         self.tp_size = tp_size
         self.model = _LanguageModel(config, tp_size)
 
+    def _inv_freq(self, device) -> torch.Tensor:
+        """1 / theta^(2i/d) in fp32, from constants each call (no buffer a bf16 cast could degrade). theta as an fp32
+        tensor, not a Python float: eager arithmetic is the same (a float scalar is rounded to fp32 for an fp32
+        exponent), but traced for XLA a Python float becomes an f64 parameter, a dtype Trainium does not compute in."""
+        d = self.config.head_dim
+        theta = torch.tensor(self.config.rope_theta, dtype=torch.float32, device=device)
+        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+
     def rope(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [seq_len, head_dim] for positions 0..seq_len-1.
 
@@ -293,13 +295,7 @@ class QwenTextEncoder(nn.Module):
         computed from constants each call rather than held in a buffer, so that casting the module to
         bf16 cannot degrade the frequencies. Cast to the activation dtype last, as transformers does.
         """
-        d = self.config.head_dim
-        # theta as an fp32 tensor, not a Python float: eager arithmetic is the same (a float scalar is
-        # rounded to fp32 for an fp32 exponent), but traced for XLA a Python float becomes an f64
-        # parameter, a dtype Trainium does not compute in.
-        theta = torch.tensor(self.config.rope_theta, dtype=torch.float32, device=device)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-        angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+        angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * self._inv_freq(device)[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -311,9 +307,7 @@ class QwenTextEncoder(nn.Module):
         if cfg.mrope_section is None:
             raise ConfigError(f"{COMPONENT} config has no mrope_section: image tokens need mRoPE's split")
         d = cfg.head_dim
-        theta = torch.tensor(cfg.rope_theta, dtype=torch.float32, device=dev)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=dev) / d))
-        angles = position_ids.float()[:, :, None] * inv_freq   # [3, L, d/2]: each axis at every frequency
+        angles = position_ids.float()[:, :, None] * self._inv_freq(dev)   # [3, L, d/2]: each axis, every frequency
         axis = torch.repeat_interleave(torch.arange(3, device=dev), torch.tensor(cfg.mrope_section, device=dev),
                                        output_size=d // 2)
         angles = torch.where(axis == 1, angles[1], torch.where(axis == 2, angles[2], angles[0]))
@@ -334,10 +328,7 @@ class QwenTextEncoder(nn.Module):
         n = input_ids.shape[1]
         cos, sin = self.rope(n, x.dtype, x.device) if position_ids is None else self.mrope(position_ids, x.dtype)
         if image_embeds is not None:
-            # only valid tokens are slots; slot k of a row reads feature row k (masked_scatter's order), clamped
-            # so that a prompt with more slots than features cannot index past the table
-            is_image = (input_ids == self.config.image_token_id) & (attention_mask != 0)
-            slot = (torch.cumsum(is_image.long(), dim=1) - 1).clamp(0, image_embeds.shape[0] - 1)
+            is_image, slot = image_slots(input_ids, attention_mask, self.config.image_token_id, image_embeds.shape[0])
             x = torch.where(is_image[..., None], image_embeds.to(x.dtype)[slot], x)
         # Causal AND key-padding, as an additive bias. A finite minimum instead of -inf keeps rows
         # with no visible key (left padding) finite instead of NaN; NaN in a padded row would poison

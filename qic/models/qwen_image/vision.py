@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
-from qic.models.common import VisionAttention, vision_config
+from qic.models.common import VisionAttention, merge_block_rows_cols, vision_config, vision_rope
 
 COMPONENT = "vision"
 EPS = 1e-6
@@ -195,20 +195,11 @@ class QwenImageVision(nn.Module):
         unit = m * m
         groups = torch.tensor(order, device=device)
         patches = (groups[:, None] * unit + torch.arange(unit, device=device)).reshape(-1)
-        # patch k of the merge-block order -> its (row, col) in the grid
-        k = patches
-        blocks_w = grid_w // m
-        row = (k // (unit * blocks_w)) * m + (k // m) % m
-        col = ((k // unit) % blocks_w) * m + k % m
-        spatial = cfg.head_dim // 2
-        theta = torch.tensor(cfg.rope_theta, dtype=torch.float32, device=device)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial))
-        angles = torch.cat((row.float()[:, None] * inv_freq, col.float()[:, None] * inv_freq), dim=-1)
-        angles = torch.cat((angles, angles), dim=-1)[:, None]   # broadcast over heads
+        cos, sin = vision_rope(*merge_block_rows_cols(patches, grid_w, m), cfg.head_dim, cfg.rope_theta)
         ids = torch.tensor(window, device=device).repeat_interleave(unit)
         mask = ids[:, None] == ids[None, :]
         back = torch.argsort(groups)
-        return patches, angles.cos(), angles.sin(), mask, back
+        return patches, cos, sin, mask, back
 
     def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         cfg = self.config

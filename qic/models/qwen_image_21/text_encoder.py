@@ -37,7 +37,7 @@ from torch import nn
 
 from qic.errors import ConfigError
 from qic.family import COLUMN, ROW, TPPlan
-from qic.models.common import RowLinear, VocabEmbedding, check_config_keys
+from qic.models.common import RowLinear, VocabEmbedding, check_config_keys, image_slots, rotate_half
 
 COMPONENT = "text_encoder"
 
@@ -219,12 +219,6 @@ class _RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # Pairs dimension i with i + head_dim/2 (split halves), as transformers' rotate_half.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class _Attention(nn.Module):
     def __init__(self, cfg: TextEncoder21Config, tp_size: int):
         super().__init__()
@@ -244,8 +238,8 @@ class _Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         # GQA by an explicit repeat (query head h reads kv head h // rep), so every back end sees plain attention.
         rep = self.heads // self.kv_heads
         if rep > 1:
@@ -359,11 +353,7 @@ class QwenImage21TextEncoder(nn.Module):
             position_ids = torch.arange(n, device=x.device)[None].expand(3, n)
         cos, sin = self.rope(position_ids, x.dtype)
         if image_embeds is not None:
-            # only valid tokens are slots: padding whose id happens to be <|image_pad|> stays text
-            is_image = (input_ids == self.config.image_token_id) & (attention_mask != 0)
-            # slot k of a row reads feature row k (the order masked_scatter fills them in); clamped, so a prompt
-            # with more slots than features cannot index past the table on a device that does not check
-            slot = (torch.cumsum(is_image.long(), dim=1) - 1).clamp(0, image_embeds.shape[0] - 1)
+            is_image, slot = image_slots(input_ids, attention_mask, self.config.image_token_id, image_embeds.shape[0])
             x = torch.where(is_image[..., None], image_embeds.to(x.dtype)[slot], x)
         # Causal AND key padding as an additive bias; a finite minimum (not -inf) keeps rows with no visible key
         # finite. The fill value is a tensor: a Python float traces to an fp64 XLA parameter.

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
-from qic.models.common import VisionAttention, vision_config
+from qic.models.common import VisionAttention, merge_block_rows_cols, vision_config, vision_rope
 
 COMPONENT = "vision"
 
@@ -93,15 +93,6 @@ def patchify(image: torch.Tensor, cfg: VisionConfig) -> torch.Tensor:
     x = image.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
     x = x[:, :, :, :, :, None].expand(*x.shape[:5], tp, p, p)
     return x.reshape(gh * gw, c * tp * p * p)
-
-
-def _grid_rows_cols(gh: int, gw: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    # patch k of the merge-block order -> its (row, col) in the grid
-    k = torch.arange(gh * gw, device=device)
-    blocks_w = gw // m
-    row = (k // (m * m * blocks_w)) * m + (k // m) % m
-    col = ((k // (m * m)) % blocks_w) * m + k % m
-    return row, col
 
 
 def _bilinear_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,19 +190,13 @@ class QwenImage21Vision(nn.Module):
     def tables(self, gh: int, gw: int, device, dtype):
         """The grid's resampled position embeddings [n, hidden] and RoPE cos/sin [n, 1, head_dim] (fp32)."""
         cfg, m, side = self.config, self.config.spatial_merge_size, self.config.grid_side
-        row, col = _grid_rows_cols(gh, gw, m, device)
+        row, col = merge_block_rows_cols(torch.arange(gh * gw, device=device), gw, m)
         h_taps, h_w = _bilinear_taps(row, gh, side)
         w_taps, w_w = _bilinear_taps(col, gw, side)
         idx = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
         wts = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
         pos = (self.model.visual.pos_embed(idx) * wts[:, :, None]).sum(1).to(dtype)
-        # 2-D RoPE: head_dim/4 frequencies over head_dim/2, rows then columns, the halves repeated
-        spatial = cfg.head_dim // 2
-        theta = torch.tensor(cfg.rope_theta, dtype=torch.float32, device=device)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial))
-        angles = torch.cat((row.float()[:, None] * inv_freq, col.float()[:, None] * inv_freq), dim=-1)
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # broadcast over heads
-        return pos, angles.cos(), angles.sin()
+        return (pos, *vision_rope(row, col, cfg.head_dim, cfg.rope_theta))
 
     def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int]):
         cfg = self.config
