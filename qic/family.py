@@ -42,10 +42,16 @@ class Family:
     classes: tuple[str, ...]      # the model_index.json `_class_name`s it reads
     components: str               # the module holding its COMPONENTS (build time)
     host: str                     # the module of its host program (run time: qic.runtime.programs)
+    # The host program of its builds with condition sizes, when they need another (Qwen-Image's editing); None: `host`
+    conditions_host: str | None = None
     tokenizer: str = "tokenizer"  # the checkpoint folder holding its tokenizer files (Qwen-Image-2.1: processor)
     # The back ends its graphs are made for (qic.backends' names; None: every one). Checked by the build before any
     # work (qic.spec, when the build config is read), so no family code asks which back end it is built for.
     backends: tuple[str, ...] | None = None
+
+    def host_of(self, spec) -> str:
+        """The host program a build of `spec` records in its manifest."""
+        return self.conditions_host if spec.condition_sizes and self.conditions_host else self.host
 
     @property
     def package(self) -> str:

@@ -194,3 +194,26 @@ def scheduler_at_step(seq_len: int, steps: int = 6, i: int = 2):
     sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
     sched.set_begin_index(i)
     return sched, i
+
+
+def images_only_processor(processor_class, proc_dir):
+    """transformers' own Qwen-VL processor (`processor_class`: Qwen2VLProcessor, Qwen3VLProcessor) over a checkpoint's
+    processor files, its image part the PIL class the folder's preprocessor_config.json describes and no video part:
+    a processor's parts are what ProcessorMixin.get_attributes lists, so that list leaves video_processor out while
+    it is made (../shared/notes/qwen-image.md: the video processor needs torchvision, which this environment lacks).
+    Text, image pads, pixel values and grids are then the real processor's, which a stand-in could not vouch for."""
+    import json
+    from pathlib import Path
+    from unittest import mock
+
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    proc_dir = Path(proc_dir)
+    settings = json.loads((proc_dir / "preprocessor_config.json").read_text())
+    image_processor = Qwen2VLImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(proc_dir)
+    parts = [a for a in processor_class.get_attributes() if a != "video_processor"]
+    with mock.patch.object(processor_class, "get_attributes", classmethod(lambda _: parts)):
+        return processor_class(image_processor=image_processor, tokenizer=tokenizer,
+                               chat_template=(proc_dir / "chat_template.jinja").read_text())

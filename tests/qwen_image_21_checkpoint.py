@@ -25,7 +25,7 @@ import torch
 
 from qic.checkpoint.embedded import tokenizer_files
 from qic.checkpoint.presets import TOKENIZER_VOCAB, special_id
-from tests.helpers import sensitize_
+from tests.helpers import images_only_processor, sensitize_
 
 FIXTURES = Path(__file__).parent / "fixtures" / "qwen-image-2.1-configs"
 Z = 16   # latent channels: the VAE's z_dim and the transformer's in/out channels (the pipeline requires them equal)
@@ -144,25 +144,10 @@ def load_pipeline(root: Path):
 
 
 def images_processor(root: Path):
-    """transformers' own Qwen3VLProcessor over the checkpoint's processor files, with the image processor its
-    preprocessor_config.json describes (the PIL class) and no video processor: the processor's parts are what
-    ProcessorMixin.get_attributes lists, so that list leaves video_processor out while the processor is made
-    (../shared/notes/qwen-image.md; the video processor needs torchvision, which this environment lacks). Text, image
-    pads, pixel values and grids are then the real processor's, which a stand-in could not vouch for."""
-    from unittest import mock
-
+    """transformers' own Qwen3VLProcessor over the checkpoint's processor files, images only
+    (tests.helpers.images_only_processor)."""
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    proc_dir = Path(root) / "processor"
-    settings = json.loads((proc_dir / "preprocessor_config.json").read_text())
-    image_processor = Qwen2VLImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
-    tokenizer = transformers.AutoTokenizer.from_pretrained(proc_dir)
-    cls = transformers.Qwen3VLProcessor
-    parts = [a for a in cls.get_attributes() if a != "video_processor"]
-    with mock.patch.object(cls, "get_attributes", classmethod(lambda _: parts)):
-        return cls(image_processor=image_processor, tokenizer=tokenizer,
-                   chat_template=(proc_dir / "chat_template.jinja").read_text())
+    return images_only_processor(transformers.Qwen3VLProcessor, Path(root) / "processor")
 
 
 def load_images_pipeline(root: Path):

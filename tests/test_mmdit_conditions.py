@@ -10,14 +10,8 @@ from diffusers import QwenImageTransformer2DModel
 
 from qic.checkpoint.presets import preset
 from qic.models.common import load_weights
-from qic.models.qwen_image.mmdit import (
-    MMDiTConfig,
-    QwenMMDiT,
-    mmdit_state_dict,
-    position_tables,
-    rope_positions,
-    rope_tables,
-)
+from qic.models.qwen_image.host.rope import rope_positions
+from qic.models.qwen_image.mmdit import MMDiTConfig, QwenMMDiT, mmdit_state_dict, position_tables, rope_tables
 from tests.helpers import mmdit_bound, rel_l2, scheduler_at_step, sensitize_
 
 TOL = mmdit_bound("tiny")   # fp32 summation-order bound; the ~40 tokens attended are far below its reduction length

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qic.models.qwen_image_21.host.processor import vision_pixels
+from qic.host.vl_processor import vision_pixels
 from qic.models.qwen_image_21.host.sampling import condition_pixels, vision_image
 from qic.models.qwen_image_21.vision import VisionConfig
 from tests.conftest import Q21_BUCKET, Q21_SIZE, _build, image_diff, qic
@@ -166,7 +166,7 @@ def test_condition_flags_refused_in_one_line(q21_ckpt, tmp_path, args, message):
 
 def test_a_qwen_image_build_refuses_condition_sizes(tiny_ckpt, tmp_path):
     r = qic("build", "--model", tiny_ckpt, "--output", tmp_path / "b", "--condition-size", "256x256", check=False)
-    assert r.returncode == 2 and "take no condition images" in r.stderr, r.stderr
+    assert r.returncode == 2 and "takes no condition images" in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------------------------------ images end to end

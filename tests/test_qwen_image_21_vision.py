@@ -14,9 +14,9 @@ import torch
 
 from qic.errors import ConfigError
 from qic.host.image_tokens import mrope_positions
-from qic.models.common import load_weights
+from qic.models.common import load_weights, patchify
 from qic.models.qwen_image_21.text_encoder import QwenImage21TextEncoder, TextEncoder21Config
-from qic.models.qwen_image_21.vision import QwenImage21Vision, VisionConfig, patchify, vision_state_dict
+from qic.models.qwen_image_21.vision import QwenImage21Vision, VisionConfig, vision_state_dict
 from tests.helpers import fp32_reorder_bound, rel_l2, sensitize_
 from tests.test_qwen_image_21_text_encoder import (
     BOUND,
@@ -130,17 +130,18 @@ def test_vision_pixels_are_the_image_processors(size):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from qic.host.condition_images import vision_grid
-    from qic.models.qwen_image_21.host.processor import IMAGE_MEAN, IMAGE_STD, vision_pixels
+    from qic.host.vl_processor import QWEN3_VL, vision_pixels
     cfg = VisionConfig.from_dict(_config_dict())
     h, w = size
     rgb = np.random.default_rng(h).integers(0, 256, (h, w, 3), dtype=np.uint8)
     image = Image.fromarray(rgb)
-    proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=list(IMAGE_MEAN),
-                                    image_std=list(IMAGE_STD), size={"shortest_edge": 1024, "longest_edge": 4096})
+    mean, std = QWEN3_VL["image_mean"], QWEN3_VL["image_std"]
+    proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=mean, image_std=std,
+                                    size={"shortest_edge": 1024, "longest_edge": 4096})
     want = proc(images=[image], return_tensors="np")
     grid = vision_grid(h, w, patch_size=4, merge_size=2, min_pixels=1024, max_pixels=4096)
     assert [1, *grid] == want["image_grid_thw"][0].tolist()
-    got = patchify(vision_pixels(image, grid, cfg.patch_size), cfg).numpy()
+    got = patchify(vision_pixels(image, grid, cfg.patch_size, mean, std), cfg).numpy()
     assert got.shape == want["pixel_values"].shape
     assert np.abs(got - want["pixel_values"]).max() <= 4e-7  # measured 1.2e-7: one float32 ulp at 1
     # the wrong normalisation (CLIP's, the processor class default) is far off

@@ -87,7 +87,7 @@ def _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out:
             "layout": spec.layout.as_dict(),
             "model": {"id": ctx.ckpt.model_id, "digest": digest},
             # Which family built it and the host program that runs it (qic.runtime.programs imports it by name)
-            "family": {"name": ctx.family.name, "host": ctx.family.host},
+            "family": {"name": ctx.family.name, "host": ctx.family.host_of(spec)},
             "dtypes": dict(spec.dtype),
             "components": list(spec.components),
             "tokenizer": "tokenizer" if ctx.tokenizer is not None else None,

@@ -31,13 +31,14 @@ def resolve_model(model: str | None, cache_dir: Path, configs_only: bool = False
 def hub_patterns(repo_id: str, configs_only: bool = False) -> list[str]:
     """The files a build needs from a hub repo, by its family (read from its model_index.json, fetched first):
     the scheduler, the family's tokenizer folder (Qwen-Image's tokenizer/, 2.1's processor/) and each component's
-    folder (configs_only, what `qic warm` compiles from: their config.json files, not the weights). Qwen-Image's
-    vision tower lives in the text encoder's shards and is simply not read."""
+    folder (configs_only, what `qic warm` compiles from: their config.json files, not the weights), and the
+    processor/ folder where a repo has one (the Edit models' image-processor settings). Qwen-Image's vision tower
+    lives in the text encoder's shards (read by an edit build only)."""
     index = local_model_index(repo_id) or _from_hub(repo_id, ["model_index.json"]) / "model_index.json"
     fam = family.of_model_index(index)
     folders = dict.fromkeys(family.folders(fam))
     parts = [f"{f}/config.json" for f in folders] if configs_only else [f"{f}/*" for f in folders]
-    return ["model_index.json", "scheduler/*", f"{fam.tokenizer}/*", *parts]
+    return list(dict.fromkeys(["model_index.json", "scheduler/*", f"{fam.tokenizer}/*", "processor/*", *parts]))
 
 
 def fetch_model_indexes(models) -> bool:

@@ -1,15 +1,28 @@
 """Condition images on the host, as the Qwen-Image family's pipelines size and read them (Edit Plus and 2.1 alike):
 the area-and-aspect sizing both use, Qwen-VL's image-processor resize as a patch grid, and reading an image file
-so that a missing, corrupt or truncated one is one line naming it."""
+so that a missing, corrupt or truncated one is one line naming it; and what a program that reads them returns."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
 from qic.errors import ConfigError
+
+
+@dataclass
+class ConditionedResult:
+    """One image a program with condition images drew (qic.runtime.programs' Result)."""
+    image: Image.Image
+    request: object
+    timings: dict = field(default_factory=dict)
+    bucket: int = 0
+    # the condition images' sizes as run ("320x320, 288x352"; what the PNG's text records), with a note per image
+    # fitted to the nearest built size
+    conditions: str | None = None
 
 
 def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:

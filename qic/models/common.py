@@ -230,3 +230,16 @@ class VisionAttention(nn.Module):
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
         return self.proj(out[0].transpose(0, 1).reshape(n, -1))
+
+
+def patchify(image: torch.Tensor, cfg) -> torch.Tensor:
+    """A normalised image [C, H, W] (H, W multiples of patch * merge) -> the processor's pixel_values
+    [grid_h * grid_w, C * temporal_patch * patch * patch]: merge-block order, the still image repeated over the
+    temporal patch, as Qwen2VLImageProcessor.patchify lays it out for Qwen2.5-VL and Qwen3-VL alike (cfg: a vision
+    config's patch_size, spatial_merge_size, temporal_patch_size). Reshapes only: graph-friendly."""
+    c, h, w = image.shape
+    p, m, tp = cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size
+    gh, gw = h // p, w // p
+    x = image.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    x = x[:, :, :, :, :, None].expand(*x.shape[:5], tp, p, p)
+    return x.reshape(gh * gw, c * tp * p * p)

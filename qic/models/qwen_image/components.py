@@ -1,5 +1,7 @@
-"""Qwen-Image's three compiled components, each one definition (qic.family.Component): the only place that
-says what the text encoder, the denoiser and the VAE decoder are to a build.
+"""Qwen-Image's compiled components, each one definition (qic.family.Component): the only place that says what
+the text encoder, the denoiser and the VAE decoder are to a build, and for editing (a build with condition sizes:
+the Edit Plus models) the vision tower and the VAE encoder. An edit build's text encoder and denoiser graphs are
+the images forms only (graphs.py): an Edit Plus model always reads at least one condition image.
 
 The TP tables (Megatron-style): Q/K/V and MLP up-projections split by rows (heads / hidden units stay
 contiguous), output and down projections split by columns and are reduced inside the graph (RowLinear) before
@@ -16,12 +18,27 @@ two agree tensor by tensor (qic.builder.shard._plan), so a table that disagrees 
 
 from __future__ import annotations
 
+import json
+
 from qic.errors import ConfigError, warn
 from qic.family import COLUMN, ROW, Component, TPPlan
+from qic.host.image_tokens import IMAGE_PAD
 from qic.host.latents import check_resolution
-from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE
+from qic.host.prompt import DROP_TOKENS, EDIT_DROP_TOKENS, MAX_PROMPT_TOKENS, TEMPLATE, edit_prompt_text
 from qic.host.schedule import check_scheduler_config
-from qic.models.qwen_image.graphs import denoiser_graph, step_part_graph, text_encoder_graph, vae_decoder_graph
+from qic.host.vl_processor import QWEN2_5_VL, image_processor_settings
+from qic.models.qwen_image.graphs import (
+    IMAGES,
+    denoiser_graph,
+    denoiser_images_graph,
+    step_part_graph,
+    text_encoder_graph,
+    text_encoder_images_graph,
+    vae_decoder_graph,
+    vae_encoder_graph,
+    vision_graph,
+)
+from qic.models.qwen_image.host.conditions import LATENT_PATCH, built_grid, slots
 from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT, mmdit_state_dict
 from qic.models.qwen_image.text_encoder import (
     LoopedTextEncoder,
@@ -30,6 +47,8 @@ from qic.models.qwen_image.text_encoder import (
     text_encoder_state_dict,
 )
 from qic.models.qwen_image.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
+from qic.models.qwen_image.vae_encoder import QwenVAEEncoder, vae_encoder_state_dict
+from qic.models.qwen_image.vision import QwenImageVision, VisionConfig, vision_state_dict
 
 _HERE = __name__.rpartition(".")[0]                     # this family's package
 _SHARED = ("qic.models.common", "qic.models.looped")     # the shared modules its converted weights depend on
@@ -40,11 +59,25 @@ def _batches(spec) -> list[dict]:
     return [{} if n == 1 else {"batch": n} for n in spec.batch_sizes]
 
 
+EDIT_CLASSES = ("QwenImageEditPlusPipeline",)   # the pipelines an edit build (condition sizes) reads
+
+
+def _conditions(spec) -> dict:
+    """An edit build's condition capacity, as its images forms' shapes record it (the graph makers derive the
+    slots from it and the configs)."""
+    return {"conditions": [list(s) for s in spec.condition_sizes], "images": spec.condition_images}
+
+
 def _text_encoder_shapes(spec) -> list[dict]:
+    if spec.condition_sizes:
+        return [{"bucket": b, "part": IMAGES} | _conditions(spec) for b in spec.text_buckets]
     return [{"bucket": b} | n for n in _batches(spec) for b in spec.text_buckets]
 
 
 def _denoiser_shapes(spec) -> list[dict]:
+    if spec.condition_sizes:
+        return [{"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | {"part": IMAGES}
+                | _conditions(spec) for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
     steps = [{"resolution": [h, w], "bucket": b} | ({} if guided else {"cfg": False}) | n
              for n in _batches(spec) for h, w in spec.resolutions for b in spec.text_buckets for guided in spec.cfg]
     if not spec.step_cache:
@@ -67,12 +100,42 @@ def _vae_decoder_shapes(spec) -> list[dict]:
     return [{"resolution": [h, w]} | n for n in _batches(spec) for h, w in spec.resolutions]
 
 
+def _condition_shapes(spec) -> list[dict]:
+    return [{"resolution": [h, w]} for h, w in spec.condition_sizes]
+
+
+def grid_settings(vision: VisionConfig) -> dict:
+    """The processor settings a build derives vision grids with: the tower's patch and merge sizes, Qwen2.5-VL's
+    pixel bounds (validate checks the checkpoint's processor gives every built size the same grid)."""
+    return {**QWEN2_5_VL, "patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size}
+
+
+def _capacity(configs, shape) -> tuple[int, int]:
+    """(vision-token slots, condition latent tokens) of an images form's shape."""
+    return slots([tuple(s) for s in shape["conditions"]], shape["images"], grid_settings(configs["vision"]))
+
+
 def _text_encoder_graph(module, configs, shape, dtype, layout):
+    if shape.get("part") == IMAGES:
+        return text_encoder_images_graph(module, shape["bucket"], _capacity(configs, shape)[0], dtype)
     return text_encoder_graph(module, shape["bucket"], shape.get("batch", 1))
+
+
+def _vision_graph(module, configs, shape, dtype, layout):
+    size = tuple(shape["resolution"])
+    return vision_graph(module, *size, built_grid(size, grid_settings(configs["vision"])), dtype)
+
+
+def _vae_encoder_graph(module, configs, shape, dtype, layout):
+    return vae_encoder_graph(module, *shape["resolution"])
 
 
 def _denoiser_graph(module, configs, shape, dtype, layout):
     (h, w), scale = shape["resolution"], configs["vae_decoder"].scale_factor
+    if shape.get("part") == IMAGES:
+        n_slots, cond_tokens = _capacity(configs, shape)
+        return denoiser_images_graph(module, configs["denoiser"], scale, h, w, shape["bucket"], dtype, n_slots,
+                                     cond_tokens, cfg=shape.get("cfg", True), layout=layout)
     common = dict(cfg=shape.get("cfg", True), batch=shape.get("batch", 1), layout=layout)
     if "part" in shape:
         return step_part_graph(module, configs["denoiser"], scale, h, w, shape["bucket"], dtype, shape["part"],
@@ -96,6 +159,15 @@ def _vae_module(config: VAEConfig, tp_size: int = 1, looped: bool = False):
     # Weights do not depend on the resolution; any valid one gives the module's tensor names and shapes.
     step = 2 * config.scale_factor
     return QwenVAEDecoder(config, step, step)
+
+
+def _vae_encoder_module(config: VAEConfig, tp_size: int = 1, looped: bool = False):
+    step = 2 * config.scale_factor
+    return QwenVAEEncoder(config, step, step)
+
+
+def _vision_module(config: VisionConfig, tp_size: int = 1, looped: bool = False):
+    return QwenImageVision(config)
 
 
 _TEXT_ENCODER_TP = TPPlan(
@@ -134,7 +206,22 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component("vae_decoder", "vae", VAEConfig.from_dict, _vae_module, vae_decoder_state_dict,
               (f"{_HERE}.vae_decoder", "qic.models.common"), _vae_decoder_shapes, _vae_decoder_graph,
               config_deps=("vae",), fixed_dtype="float32", neuron_model_type="unet-inference"),
+    # Editing's condition components (a build with condition sizes), replicated under TP: the Qwen2.5-VL vision
+    # tower (its weights in the text encoder's folder, visual.*) and the VAE's encoder half, fp32 as the decoder.
+    Component("vision", "text_encoder", VisionConfig.from_dict, _vision_module, vision_state_dict,
+              (f"{_HERE}.vision", *_SHARED), _condition_shapes, _vision_graph, config_deps=("text_encoder",),
+              neuron_model_type="transformer", conditions=True),
+    Component("vae_encoder", "vae", VAEConfig.from_dict, _vae_encoder_module, vae_encoder_state_dict,
+              (f"{_HERE}.vae_encoder", f"{_HERE}.vae_decoder", "qic.models.common"), _condition_shapes,
+              _vae_encoder_graph, config_deps=("vae",), fixed_dtype="float32", neuron_model_type="unet-inference",
+              conditions=True),
 )}
+
+
+def pipeline_class(ctx) -> str | None:
+    """The checkpoint's model_index.json `_class_name` (the family check already read the file)."""
+    path = ctx.ckpt.root / "model_index.json"
+    return json.loads(path.read_text()).get("_class_name") if path.is_file() else None
 
 
 def validate(spec, ctx) -> None:
@@ -166,11 +253,68 @@ def validate(spec, ctx) -> None:
     if "denoiser" in spec.components and not spec.layout.plain:
         from qic.parallel.sequence import check_layout
         check_layout(spec.layout, ctx.configs["denoiser"].num_attention_heads)
+    _check_edit(spec, ctx)
+
+
+def _check_edit(spec, ctx) -> None:
+    """An edit build: an Edit Plus checkpoint with condition sizes, and what its graphs do not take yet refused."""
+    cls = pipeline_class(ctx)
+    edit = cls in EDIT_CLASSES
+    if edit and not spec.condition_sizes:
+        raise ConfigError(f"{ctx.ckpt.root}: {cls} edits condition images: its build needs their sizes",
+                          "add --condition-size HxW (the VAE side of a condition image, e.g. 1024x1024), repeatable")
+    if not spec.condition_sizes:
+        return
+    if not edit:
+        raise ConfigError(f"{ctx.ckpt.root}: {cls} takes no condition images; condition sizes need an Edit Plus "
+                          f"checkpoint ({', '.join(EDIT_CLASSES)})", "drop --condition-size")
+    for what, bad in (("--batch-sizes other than 1", tuple(spec.batch_sizes) != (1,)),
+                      ("step caching", bool(spec.step_cache)), (f"--ulysses {spec.ulysses}", spec.ulysses > 1),
+                      ("exact-length text (bucket 0)", 0 in spec.text_buckets)):
+        if bad:
+            raise ConfigError(f"an edit build (condition sizes) with {what}: not yet", f"drop {what.split(' ')[0]}")
+    for h, w in spec.condition_sizes:
+        if h % (2 * LATENT_PATCH) or w % (2 * LATENT_PATCH):
+            raise ConfigError(f"condition size {h}x{w}: the Edit pipelines resize condition images to multiples of "
+                              f"{2 * LATENT_PATCH}", f"use e.g. {max(32, h // 32 * 32)}x{max(32, w // 32 * 32)}")
+    vision, text = ctx.configs["vision"], ctx.configs["text_encoder"]
+    proc = image_processor_settings(ctx.ckpt.root / "processor", QWEN2_5_VL)
+    if (proc["patch_size"], proc["merge_size"]) != (vision.patch_size, vision.spatial_merge_size):
+        raise ConfigError(f"{ctx.ckpt.root / 'processor'}: the image processor's patch/merge sizes "
+                          f"{proc['patch_size']}/{proc['merge_size']} differ from the vision tower's "
+                          f"{vision.patch_size}/{vision.spatial_merge_size}")
+    for size in spec.condition_sizes:
+        if built_grid(size, proc) != built_grid(size, grid_settings(vision)):
+            raise ConfigError(f"condition size {size[0]}x{size[1]}: the checkpoint's image processor bounds its "
+                              f"pixels ({proc['min_pixels']}..{proc['max_pixels']}) so that the vision grid is not the "
+                              "published processor's", "use a condition size within those bounds")
+    if ctx.tokenizer is not None:
+        pad = ctx.tokenizer.token_to_id(IMAGE_PAD)
+        if pad != text.image_token_id:
+            raise ConfigError(f"{ctx.ckpt.tokenizer_dir}: the tokenizer's {IMAGE_PAD} is {pad}; the text encoder's "
+                              f"config says image_token_id {text.image_token_id}")
+        n = spec.condition_images
+        need = len(ctx.tokenizer.encode(edit_prompt_text(" ", n)).ids) - n   # less the pads the slots hold
+        for b in spec.text_buckets:
+            if b < max(need, EDIT_DROP_TOKENS + 1):
+                raise ConfigError(f"text bucket {b} is too small for the edit template with {n} picture(s) ({need} "
+                                  "tokens with an empty prompt)", f"use buckets >= {need}")
 
 
 def manifest_fields(spec, ctx) -> dict:
-    """What Qwen-Image's host program (qic.runtime.generate) reads of a bundle beside its graphs."""
+    """What Qwen-Image's host programs (qic.runtime.generate; editing's, qic.models.qwen_image.host) read of a
+    bundle beside its graphs."""
     vae, den = ctx.configs["vae_decoder"], ctx.configs["denoiser"]
+    edit = {}
+    if spec.condition_sizes:
+        proc = image_processor_settings(ctx.ckpt.root / "processor", QWEN2_5_VL)
+        n_slots, cond_tokens = slots(spec.condition_sizes, spec.condition_images, proc)
+        edit = {"prompt": {"edit": "plus", "drop_tokens": EDIT_DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
+                "conditions": {"sizes": [list(s) for s in spec.condition_sizes], "images": spec.condition_images,
+                               "grids": [list(built_grid(s, proc)) for s in spec.condition_sizes],
+                               "slots": n_slots, "cond_tokens": cond_tokens, "processor": proc,
+                               "image_token_id": ctx.configs["text_encoder"].image_token_id},
+                "denoiser": {"axes_dims_rope": list(den.axes_dims_rope)}}
     return {
         "resolutions": [list(r) for r in spec.resolutions],
         "text_buckets": list(spec.text_buckets),
@@ -184,4 +328,4 @@ def manifest_fields(spec, ctx) -> dict:
         "step_cache": dict(zip(("first", "last"), spec.step_cache)) if spec.step_cache else None,
         "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
                     "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
-    }
+    } | edit

@@ -6,6 +6,18 @@
 - denoiser@HxW@L@head, @mid, @mid@R1, @tail: the step in three parts for step caching (build config
   `step_cache`), inputs and outputs in step_part_graph below; the whole-step graph stays beside them.
 
+Editing (a build with condition sizes, `--condition-size HxW`: the Edit Plus models), the images forms:
+- vision@HxW (condition size, VAE side): pixels [3, gh*p, gw*p], the normalised image at the vision grid the
+  pipeline gives an image of that aspect (qic.models.qwen_image.host.conditions.vision_grid_of)
+                                                            -> image_embeds [gh*gw/merge^2, hidden]
+- vae_encoder@HxW:       pixels [1, 3, H, W] in [-1, 1]    -> condition latents [1, (H/16)(W/16), C], normalised
+- text_encoder@L@images: input_ids, attention_mask [1, L + slots], mRoPE position_ids [3, L + slots],
+                         image_embeds [slots, hidden]       -> hidden [1, L + slots, D]
+- denoiser@HxW@L@images: the step with the text rows [2, T, J] (T = L + slots - 64, the edit template's drop),
+                         condition [1, K, C], condition_mask [1, K], and its RoPE tables [T + S + K, head_dim/2]
+                         as inputs (the host's: they depend on the request's condition grids) -> next latents [1, S, C]
+slots: the vision tokens of --condition-images images of the largest condition size; K: their latent tokens.
+
 Batched graphs (build config `batch_sizes`) carry `@B<n>` and take n images where the above take 1:
 ids/mask [n, L]; latents [n, S, C] with text [2n, L, D] (n prompts, then their n negative prompts) and
 guidance [n]; image [n, 3, H, W]. Batch 1 keeps the names, shapes and spec keys it always had.
@@ -24,12 +36,14 @@ from qic.builder.graphs import PLAIN, GraphDef
 from qic.dtypes import TORCH_DTYPES
 from qic.graph_names import graph_name
 from qic.host.latents import packed_grid
-from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
+from qic.host.prompt import DROP_TOKENS, EDIT_DROP_TOKENS, MAX_PROMPT_TOKENS
+from qic.models.common import patchify
 from qic.models.qwen_image.mmdit import rope_tables
 from qic.models.qwen_image.step import DenoiseStep
 from qic.models.qwen_image.step_cache import StepHead, StepMiddle, StepTail
 from qic.models.qwen_image.ulysses import padded, ulysses_shard
 from qic.models.qwen_image.vae_decoder import QwenVAEDecoder
+from qic.models.qwen_image.vae_encoder import QwenVAEEncoder
 from qic.parallel.mesh import Layout
 from qic.parallel.sequence import apply_layout, cfg_gather
 
@@ -56,6 +70,36 @@ class StepGraph(nn.Module):
         x["rope_cos"] = torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0)
         x["rope_sin"] = torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0)
         return self.step(**({"guidance": None} | x))
+
+
+class EditStepGraph(nn.Module):
+    """DenoiseStep over [noise | condition] tokens, its RoPE tables given by the host per request (the condition
+    grids move the text's positions): inputs by name, `names` orders the positional graph inputs."""
+
+    def __init__(self, step: DenoiseStep, names: list[str]):
+        super().__init__()
+        self.step, self.names = step, names
+
+    def forward(self, *args):
+        return self.step(**({"guidance": None} | dict(zip(self.names, args))))
+
+
+class VisionGraph(nn.Module):
+    """The vision tower over one grid, patchifying in the graph (reshapes only), so the host hands it the
+    normalised image and the temporal repeat of a still image never crosses into the graph. The grid's window
+    order, RoPE tables and window mask are buffers made at build time."""
+
+    TABLES = ("patches", "rope_cos", "rope_sin", "window_mask", "back")
+
+    def __init__(self, model, grid: tuple[int, int]):
+        super().__init__()
+        self.model, self.grid = model, grid
+        for name, table in zip(self.TABLES, model.tables(*grid, torch.device("cpu"))):
+            self.register_buffer(name, table, persistent=False)
+
+    def forward(self, pixels):
+        tables = tuple(getattr(self, n) for n in self.TABLES)
+        return self.model(patchify(pixels, self.model.config), self.grid, tables)
 
 
 class StepPartGraph(nn.Module):
@@ -160,6 +204,77 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
 
 def _batch_shape(batch: int) -> dict:
     return {"batch": batch} if batch != 1 else {}   # batch 1: the shape (and spec key) it always had
+
+
+IMAGES = "images"   # the editing forms' part: text_encoder@L<b>@images, denoiser@HxW@L<b>[@nocfg]@images
+
+
+def text_encoder_images_graph(module, bucket: int, slots: int, dtype: str) -> GraphDef:
+    """text_encoder@L<b>@images over b + slots tokens: the condition images' features written over the valid
+    <|image_pad|> tokens (zero rows past the request's own), mRoPE positions from the host."""
+    n, hidden = bucket + slots, module.config.hidden_size
+    inputs = [("input_ids", torch.zeros(1, n, dtype=torch.long)),
+              ("attention_mask", torch.ones(1, n, dtype=torch.long)),
+              ("position_ids", torch.arange(n)[None].expand(3, n).clone()),
+              ("image_embeds", torch.zeros(slots, hidden, dtype=TORCH_DTYPES[dtype]))]
+    return GraphDef(graph_name("text_encoder", bucket=bucket, part=IMAGES), "text_encoder", module, inputs,
+                    ["hidden_states"], shape={"bucket": bucket, "part": IMAGES, "slots": slots})
+
+
+def denoiser_images_graph(mmdit, config, vae_scale: int, height: int, width: int, bucket: int, dtype: str,
+                          slots: int, cond_tokens: int, cfg: bool = True, layout: Layout = PLAIN) -> GraphDef:
+    """denoiser@HxW@L<b>[@nocfg]@images: one step over [noise | condition] tokens, batch 1. Text rows T =
+    b + slots - EDIT_DROP_TOKENS (the image tokens' hidden states are text rows to the denoiser), `cond_tokens` = K,
+    the condition latents' capacity. Under CFG-parallel each rank's transformer runs its branch (cfg_rank)."""
+    if layout.ulysses > 1:
+        raise ValueError("condition tokens under Ulysses are not implemented")
+    rows, cols = packed_grid(height, width, vae_scale)
+    text_len = bucket + slots - EDIT_DROP_TOKENS
+    step = DenoiseStep(mmdit, cfg=cfg, cfg_gather=cfg_gather(layout))
+    if not layout.plain:
+        apply_layout(step, layout)
+    dt = TORCH_DTYPES[dtype]
+    n_text = 2 if cfg else 1
+    half = config.attention_head_dim // 2
+
+    def scalar(value):
+        return torch.tensor(value, dtype=torch.float32)
+
+    table = text_len + rows * cols + cond_tokens   # RoPE rows: [text | noise | conditions], fp32 as diffusers'
+    inputs = [
+        ("latents", torch.zeros(1, rows * cols, config.in_channels, dtype=dt)),
+        ("text_embeds", torch.zeros(n_text, text_len, config.joint_attention_dim, dtype=dt)),
+        ("text_mask", torch.ones(n_text, text_len, dtype=torch.long)),
+        ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)),
+    ] + ([("guidance", scalar(4.0))] if cfg else []) + [
+        ("condition", torch.zeros(1, cond_tokens, config.in_channels, dtype=dt)),
+        ("condition_mask", torch.ones(1, cond_tokens, dtype=torch.long)),
+        ("rope_cos", torch.ones(table, half)), ("rope_sin", torch.ones(table, half)),
+    ]
+    inputs += [(name, torch.zeros(1, dtype=torch.long)) for name in rank_inputs(step)]
+    module = EditStepGraph(step, [n for n, _ in inputs])
+    shape = ({"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False})
+             | {"part": IMAGES, "slots": slots, "cond_tokens": cond_tokens})
+    return GraphDef(graph_name("denoiser", (height, width), bucket, cfg, part=IMAGES), "denoiser", module, inputs,
+                    ["latents"], shape=shape, weight_prefix="step.mmdit.")
+
+
+def vision_graph(module, height: int, width: int, grid: tuple[int, int], dtype: str) -> GraphDef:
+    """vision@HxW: the tower over the vision grid (patches) an image of condition size HxW's aspect gets."""
+    p = module.config.patch_size
+    pixels = torch.zeros(3, grid[0] * p, grid[1] * p, dtype=TORCH_DTYPES[dtype])
+    return GraphDef(graph_name("vision", (height, width)), "vision", VisionGraph(module, grid), [("pixels", pixels)],
+                    ["image_embeds"], shape={"resolution": [height, width], "grid": list(grid)},
+                    weight_prefix="model.")
+
+
+def vae_encoder_graph(weights_module, height: int, width: int) -> GraphDef:
+    # One module per condition size, sharing the bound weights (as the decoder's per resolution).
+    module = QwenVAEEncoder(weights_module.config, height, width)
+    module.load_state_dict(weights_module.state_dict(), strict=True, assign=True)
+    pixels = torch.zeros(1, 3, height, width)
+    return GraphDef(graph_name("vae_encoder", (height, width)), "vae_encoder", module, [("pixels", pixels)],
+                    ["latents"], shape={"resolution": [height, width]})
 
 
 def text_encoder_graph(module, bucket: int, batch: int = 1) -> GraphDef:

@@ -25,14 +25,14 @@ from torch import nn
 from qic.errors import ConfigError
 from qic.models.common import GatherLinear, RMSNorm, RowLinear, apply_rope, check_config_keys, require_value
 from qic.models.looped import StackedLayers, template_layer
+from qic.models.qwen_image.host.rope import grid_tables
+from qic.models.qwen_image.host.rope import position_tables as host_position_tables
 
 COMPONENT = "transformer"
 # Architecture constants of diffusers' class (not in config.json): FeedForward's default mult, the
-# sinusoidal timestep projection width, RoPE theta, and the positions diffusers tabulates per sign.
+# sinusoidal timestep projection width (RoPE's: qic.models.qwen_image.host.rope).
 MLP_RATIO = 4
 TIME_PROJ_DIM = 256
-ROPE_THETA = 10000
-ROPE_POSITIONS = 4096
 EPS = 1e-6
 
 _SIZE_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
@@ -96,57 +96,18 @@ class MMDiTConfig:
         return cfg
 
 
-# ---------------------------------------------------------------- RoPE (host side, pure function of ints)
-
-def _axis_angles(pos: torch.Tensor, dim: int) -> torch.Tensor:
-    # Same fp32 arithmetic as diffusers' rope_params (int positions x fp32 inverse frequencies).
-    inv_freq = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2).to(torch.float32).div(dim))
-    return torch.outer(pos, inv_freq)
-
-
-def _grid_positions(height: int, width: int, frame: int) -> torch.Tensor:
-    # scale_rope=True: rows run -(h - h//2) .. h//2 - 1 (centred, negatives for the upper half), columns likewise
-    rows = torch.arange(height) - (height - height // 2)
-    cols = torch.arange(width) - (width - width // 2)
-    return torch.stack([torch.full((height, width), frame, dtype=torch.long),
-                        rows[:, None].expand(height, width), cols[None, :].expand(height, width)], -1).reshape(-1, 3)
-
-
-def rope_positions(height: int, width: int, txt_len: int, conditions: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-    """[txt_len + height*width + sum(rows*cols of conditions), 3] int64 (frame, row, col) positions, joint order
-    [text | image | condition 1 | ...].
-
-    Image k (0 the output, then the condition grids in order) sits at frame k, its rows and columns centred.
-    Text token i sits at max over every grid of max(h//2, w//2), plus i, on all three axes; diffusers takes i
-    over the padded text length, so padding never moves the valid tokens' positions.
-    """
-    grids = [(height, width), *conditions]
-    images = [_grid_positions(h, w, frame) for frame, (h, w) in enumerate(grids)]
-    txt = (max(max(h // 2, w // 2) for h, w in grids) + torch.arange(txt_len))[:, None].expand(txt_len, 3)
-    return torch.cat([txt, *images], 0)
-
+# ---------------------------------------------------------------- RoPE (host side: qic.models.qwen_image.host.rope)
 
 def rope_tables(config: MMDiTConfig, height: int, width: int, txt_len: int,
                 conditions: Sequence[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [rope_positions' rows, head_dim // 2] fp32, for a packed grid height x width (and the
-    packed grids of condition images, editing's).
-
-    height/width are the packed grid (pixels / vae_scale / patch). Column j rotates the pair (2j, 2j+1) of
-    each head; columns are [frame | row | col] axes of axes_dims_rope[k] // 2 each, as in diffusers.
-    """
-    grids = [(height, width), *conditions]
-    if (max(max(h // 2, w // 2) for h, w in grids) + txt_len > ROPE_POSITIONS
-            or max(max(h, w) for h, w in grids) > ROPE_POSITIONS or len(grids) > ROPE_POSITIONS):
-        conds = "".join(f", condition {h}x{w}" for h, w in conditions)
-        raise ConfigError(f"grid {height}x{width}{conds} with {txt_len} text tokens exceeds the {ROPE_POSITIONS} "
-                          "RoPE positions diffusers tabulates")
-    return position_tables(config, rope_positions(height, width, txt_len, conditions))
+    """(cos, sin), each [txt_len + h*w (+ the conditions' tokens), head_dim // 2] fp32, for a packed grid
+    height x width (pixels / vae_scale / patch) and the packed grids of condition images (editing's)."""
+    return grid_tables(config.axes_dims_rope, height, width, txt_len, conditions)
 
 
 def position_tables(config: MMDiTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of int64 (frame, row, col) positions [N, 3]: [N, head_dim // 2] each, fp32."""
-    angles = torch.cat([_axis_angles(pos[:, k], dim) for k, dim in enumerate(config.axes_dims_rope)], -1)
-    return torch.cos(angles), torch.sin(angles)
+    return host_position_tables(config.axes_dims_rope, pos)
 
 
 # ---------------------------------------------------------------- modules (names mirror diffusers' tensors)

@@ -285,7 +285,8 @@ class QwenTextEncoder(nn.Module):
         tensor, not a Python float: eager arithmetic is the same (a float scalar is rounded to fp32 for an fp32
         exponent), but traced for XLA a Python float becomes an f64 parameter, a dtype Trainium does not compute in."""
         d = self.config.head_dim
-        theta = torch.tensor(self.config.rope_theta, dtype=torch.float32, device=device)
+        theta = torch.full((), self.config.rope_theta, dtype=torch.float32, device=device)   # a factory op, not a
+        # tensor made from a Python value: a graph would hold that as a constant of its own
         return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
 
     def rope(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,8 +309,11 @@ class QwenTextEncoder(nn.Module):
             raise ConfigError(f"{COMPONENT} config has no mrope_section: image tokens need mRoPE's split")
         d = cfg.head_dim
         angles = position_ids.float()[:, :, None] * self._inv_freq(dev)   # [3, L, d/2]: each axis, every frequency
-        axis = torch.repeat_interleave(torch.arange(3, device=dev), torch.tensor(cfg.mrope_section, device=dev),
-                                       output_size=d // 2)
+        # frequency k's axis: 0 below the first section's end, 1 below the second's, else 2 (arange comparisons,
+        # not a tensor of the sections: a graph would hold that as a constant of its own)
+        first, second = cfg.mrope_section[0], cfg.mrope_section[0] + cfg.mrope_section[1]
+        k = torch.arange(d // 2, device=dev)
+        axis = (k >= first).long() + (k >= second).long()
         angles = torch.where(axis == 1, angles[1], torch.where(axis == 2, angles[2], angles[0]))
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)

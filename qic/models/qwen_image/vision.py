@@ -201,14 +201,17 @@ class QwenImageVision(nn.Module):
         back = torch.argsort(groups)
         return patches, cos, sin, mask, back
 
-    def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int], tables: tuple | None = None) -> torch.Tensor:
+        """tables: `tables(*grid)` made beforehand (a graph holds them as buffers: made from Python lists, they
+        would be constants baked into its code); None: made here."""
         cfg = self.config
         gh, gw = grid
         m = cfg.spatial_merge_size
         if gh % m or gw % m:
             raise ConfigError(f"{COMPONENT}: grid {gh}x{gw} is not a multiple of the merge size {m}")
         vis = self.visual
-        patches, cos, sin, window_mask, back = self.tables(gh, gw, pixel_values.device)
+        patches, cos, sin, window_mask, back = tables if tables is not None else self.tables(gh, gw,
+                                                                                             pixel_values.device)
         x = vis.patch_embed(pixel_values)[patches]
         full = set(cfg.fullatt_block_indexes)
         for i, block in enumerate(vis.blocks):

@@ -20,6 +20,7 @@ from qic.family import Component
 from qic.host.condition_images import vision_grid
 from qic.host.image_tokens import IMAGE_PAD
 from qic.host.schedule import check_scheduler_config
+from qic.host.vl_processor import QWEN3_VL, image_processor_settings
 from qic.models.qwen_image_21.denoiser import TP_PLAN as DENOISER_TP
 from qic.models.qwen_image_21.denoiser import DenoiserConfig, QwenImage21Denoiser, denoiser_state_dict
 from qic.models.qwen_image_21.graphs import (
@@ -35,7 +36,6 @@ from qic.models.qwen_image_21.graphs import (
     vae_encoder_graph,
     vision_graph,
 )
-from qic.models.qwen_image_21.host.processor import image_processor_settings
 from qic.models.qwen_image_21.host.prompt import SYSTEM_MESSAGE, prompt_text
 from qic.models.qwen_image_21.host.sampling import SIZE_MULTIPLE, VAE_SCALE
 from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS, prefix_sizes
@@ -210,7 +210,7 @@ def _check_conditions(spec, ctx) -> None:
     which the pipeline refuses too), with the tower's own patch and merge sizes."""
     if not spec.condition_sizes:
         return
-    proc = image_processor_settings(ctx.ckpt.tokenizer_dir)
+    proc = image_processor_settings(ctx.ckpt.tokenizer_dir, QWEN3_VL)
     vision = ctx.configs.get("vision")
     text = ctx.configs.get("text_encoder")
     if ctx.tokenizer is not None and text is not None:
@@ -241,6 +241,7 @@ def manifest_fields(spec, ctx) -> dict:
     """What the host program (qic.models.qwen_image_21.host) reads of a bundle beside its graphs."""
     vae = ctx.configs["vae_decoder"]
     index = _model_index(ctx)
+    processor = image_processor_settings(ctx.ckpt.tokenizer_dir, QWEN3_VL) if spec.condition_sizes else None
     return {
         "resolutions": [list(r) for r in spec.resolutions],
         "text_buckets": list(spec.text_buckets),
@@ -253,7 +254,7 @@ def manifest_fields(spec, ctx) -> dict:
         # the condition images a request may hold, and how the host resizes and normalises them for the tower
         "conditions": {"sizes": [list(s) for s in spec.condition_sizes], "images": spec.condition_images,
                        "slots": condition_slots(spec), "image_token_id": ctx.configs["text_encoder"].image_token_id,
-                       "processor": image_processor_settings(ctx.ckpt.tokenizer_dir) if spec.condition_sizes else None},
+                       "processor": processor},
     }
 
 

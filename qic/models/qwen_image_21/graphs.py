@@ -29,10 +29,10 @@ from torch import nn
 from qic.builder.graphs import GraphDef
 from qic.dtypes import TORCH_DTYPES
 from qic.graph_names import graph_name
+from qic.models.common import patchify
 from qic.models.qwen_image_21.host.sampling import VAE_SCALE
 from qic.models.qwen_image_21.host.sequence import prefix_sizes
 from qic.models.qwen_image_21.vae import QwenImage21VAEDecoder, QwenImage21VAEEncoder
-from qic.models.qwen_image_21.vision import patchify
 
 PREFILL, DECODE = "prefill", "decode"
 IMAGES = "images"   # the condition-image forms: text_encoder@L<b>@images, denoiser@HxW@L<b>@{prefill,decode}-images

@@ -83,18 +83,6 @@ def vision_state_dict(names_to_tensors: Mapping) -> dict:
     return {k: t for k, t in names_to_tensors.items() if k.startswith("model.visual.")}
 
 
-def patchify(image: torch.Tensor, cfg: VisionConfig) -> torch.Tensor:
-    """A normalised image [C, H, W] (H, W multiples of patch * merge) -> the processor's pixel_values
-    [grid_h * grid_w, C * temporal_patch * patch * patch]: merge-block order, the still image repeated over the
-    temporal patch, as Qwen2VLImageProcessor.patchify lays it out. Reshapes only: graph-friendly."""
-    c, h, w = image.shape
-    p, m, tp = cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size
-    gh, gw = h // p, w // p
-    x = image.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-    x = x[:, :, :, :, :, None].expand(*x.shape[:5], tp, p, p)
-    return x.reshape(gh * gw, c * tp * p * p)
-
-
 def _bilinear_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Taps [n, 2] into a side-long table and their weights for `index` on an axis of `size` (align_corners:
     the axis' ends map to the table's ends), in transformers' fp32 arithmetic."""

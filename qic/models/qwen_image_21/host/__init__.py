@@ -26,12 +26,12 @@ from it, never the other way.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from PIL import Image
 
 from qic.errors import ConfigError
+from qic.host.condition_images import ConditionedResult
 from qic.host.image_tokens import IMAGE_PAD, expand_image_pads, mrope_positions
 from qic.host.options import request_class
 from qic.host.prompt import pick_bucket
@@ -68,15 +68,7 @@ Request = request_class("Request", __name__, [],
                               "output_resolution", "nearest_condition_size"))
 
 
-@dataclass
-class Result:
-    image: Image.Image
-    request: Request
-    timings: dict = field(default_factory=dict)
-    bucket: int = 0
-    # the condition images' sizes as run ("320x320, 288x352"; what the PNG's text records), with a note per image
-    # fitted to the nearest built size
-    conditions: str | None = None
+Result = ConditionedResult
 
 
 @dataclass

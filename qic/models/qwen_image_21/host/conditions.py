@@ -18,7 +18,7 @@ from PIL import Image
 
 from qic.errors import ConfigError
 from qic.host.condition_images import open_image
-from qic.models.qwen_image_21.host.processor import vision_pixels
+from qic.host.vl_processor import vision_pixels
 from qic.models.qwen_image_21.host.sampling import VAE_SCALE, condition_pixels, condition_size, vision_image
 from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS
 

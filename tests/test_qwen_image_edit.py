@@ -1,0 +1,211 @@
+"""Issue 31: Qwen-Image-Edit-2509 / -2511 (diffusers' QwenImageEditPlusPipeline) as a bundle: `qic build --model
+EDIT_CHECKPOINT --condition-size HxW` adds the vision tower and the VAE encoder per condition size and builds the
+images forms of the text encoder and the step (qic/models/qwen_image/graphs.py), and `qic run BUNDLE --image A.png`
+edits through the family's edit program (qic/models/qwen_image/host) as the pipeline does.
+
+The checkpoint is tests/qwen_image_edit_checkpoint.py's (the tiny preset's configs in the hub's layout, a saved
+processor, a vision tower of depth 2 with a window block and a full-attention block, GQA text encoder). The pipeline
+resizes every condition image to 1024*1024 pixels on the VAE side, which the tiny model would run slowly; the
+reference runs with that area patched down to 96*64 (VAE_IMAGE_SIZE, a module constant of the pipeline), and qic,
+whose bundles hold the pipeline's sizes, is asked for the nearest built size (--nearest-condition-size), which at the
+pictures' exact aspects is the size the patched reference computes. The vision side stays the pipeline's 384*384.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import _build, image_diff, made_once, qic
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL
+
+pytestmark = pytest.mark.slow   # every test builds a bundle (the export back end: tracing, no C++) or runs diffusers
+
+REFERENCE_VAE_AREA = 96 * 64            # the reference pipeline's VAE side (module docstring)
+SIZES = ((64, 64), (64, 96))            # the built condition sizes: a square and a 3:2 picture at that area
+PICTURES = ((80, 80), (80, 120))        # (height, width) of the pictures given: SIZES' aspects, another size
+OUTPUT = (64, 64)
+STEPS, SEED, PROMPT, NEGATIVE, GUIDANCE = 3, 7, "make the circle red", "blurry", 4.0
+BUCKET = 256                            # the edit template with two pictures and the prompt fit (image tokens aside)
+
+
+def _picture(h: int, w: int, seed: int) -> Image.Image:
+    """Smooth colour fields plus noise: both the tower's and the encoder's inputs carry every frequency."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w] / max(h, w)
+    rgb = np.stack([np.sin(7 * x + seed), np.cos(5 * y - seed), np.sin(3 * (x + y))], -1) * 90 + 128
+    return Image.fromarray(np.clip(rgb + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8), "RGB")
+
+
+def _pictures(n: int, seed: int = 10) -> list[Image.Image]:
+    return [_picture(*PICTURES[i], seed=seed + i) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def edit_ckpt(shared_dir) -> Path:
+    from tests.qwen_image_edit_checkpoint import write_checkpoint
+    return Path(made_once(shared_dir, "ckpt-edit", lambda out: str(write_checkpoint(out))))
+
+
+@pytest.fixture(scope="module")
+def edit_2511_ckpt(shared_dir) -> Path:
+    from tests.qwen_image_edit_checkpoint import write_checkpoint
+    return Path(made_once(shared_dir, "ckpt-edit-2511", lambda out: str(write_checkpoint(out, zero_cond_t=True))))
+
+
+def _build_edit(shared_dir, cache_dir, ckpt, name, *args):
+    sizes = [a for s in SIZES for a in ("--condition-size", "{}x{}".format(*s))]
+    return _build(shared_dir, name, "--model", ckpt, "--cache-dir", cache_dir, "--resolution", "{}x{}".format(*OUTPUT),
+                  "--text-buckets", BUCKET, *sizes, "--condition-images", 2, *args)[0]
+
+
+@pytest.fixture(scope="module")
+def edit_export(shared_dir, cache_dir, edit_ckpt) -> Path:
+    """Two condition sizes, two images a request, the export back end (the graphs' contract, nothing compiled)."""
+    return _build_edit(shared_dir, cache_dir, edit_ckpt, "bundle-edit-export", "--backend", "export")
+
+
+@pytest.fixture(scope="module")
+def pipe(edit_ckpt):
+    from tests.qwen_image_edit_checkpoint import load_pipeline
+    return load_pipeline(edit_ckpt)
+
+
+def _reference(pipe, images, negative=NEGATIVE):
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+    kw = dict(negative_prompt=negative, true_cfg_scale=GUIDANCE) if negative else {}
+    with mock.patch.object(plus, "VAE_IMAGE_SIZE", REFERENCE_VAE_AREA):
+        return pipe(image=images, prompt=PROMPT, height=OUTPUT[0], width=OUTPUT[1], num_inference_steps=STEPS,
+                    generator=torch.Generator().manual_seed(SEED), **kw).images[0]
+
+
+def _ours(bundle, images, negative=NEGATIVE):
+    from qic.models.qwen_image.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    b = bundle if isinstance(bundle, Bundle) else Bundle(bundle)
+    req = Request(PROMPT, negative_prompt=negative, guidance=GUIDANCE if negative else None, seed=SEED, steps=STEPS,
+                  height=OUTPUT[0], width=OUTPUT[1], image=images, nearest_condition_size=True)
+    return generate(b, req).image
+
+
+def _within(a, b) -> bool:
+    mx, mean = image_diff(a, b)
+    print(f"max {mx:.0f}/255, mean {mean:.4f}")
+    return mx <= MAX_PIXEL and mean <= MEAN_PIXEL
+
+
+def test_one_image_edits_as_the_pipeline(edit_export, pipe):
+    images = _pictures(1)
+    ref = _reference(pipe, images)
+    assert _within(_ours(edit_export, images), ref)
+    # the bound can fail: another picture's edit is outside it
+    assert not _within(_ours(edit_export, _pictures(1, seed=99)), ref)
+
+
+def test_two_images_of_different_aspect(edit_export, pipe):
+    images = _pictures(2)
+    ref = _reference(pipe, images)
+    assert _within(_ours(edit_export, images), ref)
+    # the pictures' order is the prompt's ("Picture 1", "Picture 2") and the frames': swapped, the image leaves it
+    assert not _within(_ours(edit_export, images[::-1]), ref)
+    # without CFG (no negative prompt): the CFG graph at guidance 1, as the pipeline's single prediction
+    assert _within(_ours(edit_export, images, negative=None), _reference(pipe, images, negative=None))
+
+
+def test_broken_variants_leave_the_bound(edit_export, pipe, monkeypatch):
+    """Condition latents left out (zeros), the condition images at the output's RoPE frame (0), the vision features
+    left out of the prompt: each leaves the bound the right run holds."""
+    from qic.models.qwen_image import host
+    from qic.runtime.bundle import Bundle
+    images = _pictures(2)
+    ref = _reference(pipe, images)
+    b = Bundle(edit_export)
+    assert _within(_ours(b, images), ref)
+
+    real_encode = host._encode_images
+
+    def no_latents(*args):
+        c = real_encode(*args)
+        c.latents = torch.zeros_like(c.latents)
+        return c
+    monkeypatch.setattr(host, "_encode_images", no_latents)
+    assert not _within(_ours(b, images), ref)
+
+    def no_features(*args):
+        c = real_encode(*args)
+        c.embeds = torch.zeros_like(c.embeds)
+        return c
+    monkeypatch.setattr(host, "_encode_images", no_features)
+    assert not _within(_ours(b, images), ref)
+    monkeypatch.setattr(host, "_encode_images", real_encode)
+
+    real_positions = host.rope_positions
+
+    def frame_zero(height, width, txt_len, conditions=()):
+        pos = real_positions(height, width, txt_len, conditions).clone()
+        pos[txt_len:, 0] = 0     # every image at the output's frame
+        return pos
+    monkeypatch.setattr(host, "rope_positions", frame_zero)
+    assert not _within(_ours(b, images), ref)
+
+
+def test_zero_cond_t_2511(shared_dir, cache_dir, edit_2511_ckpt, tmp_path):
+    """Edit-2511 (the transformer's zero_cond_t: condition tokens modulated at t = 0) edits as the pipeline does;
+    the same weights with the flag off in the config (what ignoring it draws) leave the bound."""
+    from tests.qwen_image_edit_checkpoint import load_pipeline
+    bundle = _build_edit(shared_dir, cache_dir, edit_2511_ckpt, "bundle-edit-2511-export", "--backend", "export")
+    images = _pictures(1)
+    ref = _reference(load_pipeline(edit_2511_ckpt), images)
+    assert _within(_ours(bundle, images), ref)
+    ignored = tmp_path / "ckpt"
+    shutil.copytree(edit_2511_ckpt, ignored)
+    config = json.loads((ignored / "transformer" / "config.json").read_text())
+    (ignored / "transformer" / "config.json").write_text(json.dumps({**config, "zero_cond_t": False}))
+    off = _build_edit(tmp_path, cache_dir, ignored, "bundle", "--backend", "export")
+    assert not _within(_ours(off, images), ref)
+
+
+def test_compiled_edit_bundle_through_the_cli(shared_dir, cache_dir, edit_ckpt, edit_export, pipe, tmp_path):
+    """The inductor bundle as a user runs it: `qic run BUNDLE --image A.png --image B.png`; the PNG records the
+    sizes used. Refused in one line each, nothing written: an unbuilt size without --nearest-condition-size, more
+    images than built for, a missing file."""
+    bundle = _build_edit(shared_dir, cache_dir, edit_ckpt, "bundle-edit")
+    images = _pictures(2)
+    paths = []
+    for i, img in enumerate(images):
+        paths += ["--image", tmp_path / f"in{i}.png"]
+        img.save(tmp_path / f"in{i}.png")
+    out = tmp_path / "out.png"
+    common = ["run", bundle, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED,
+              "--steps", STEPS, "--height", OUTPUT[0], "--width", OUTPUT[1]]
+    qic(*common, *paths, "--nearest-condition-size", "--output", out)
+    got = Image.open(out)
+    assert _within(got, _reference(pipe, images))
+    assert got.text["conditions"].startswith("64x64, 64x96 (image 1: 1024x1024 -> 64x64")
+    for args, message in [(paths, "--nearest-condition-size"),
+                          (paths * 2, "takes at most 2"),
+                          (["--image", tmp_path / "missing.png"], "missing.png: condition image not found")]:
+        bad = tmp_path / "bad.png"
+        r = qic(*common, *args, "--output", bad, check=False)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+        assert not bad.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "needs their sizes"),
+    (["--condition-size", "64x64", "--batch-sizes", "1,2"], "--batch-sizes other than 1: not yet"),
+    (["--condition-size", "64x64", "--step-cache", "1,0"], "step caching: not yet"),
+    (["--condition-size", "48x64"], "multiples of 32"),
+])
+def test_edit_build_flags_refused_in_one_line(edit_ckpt, tmp_path, args, message):
+    r = qic("build", "--model", edit_ckpt, "--output", tmp_path / "b", "--cache-dir", tmp_path / "c",
+            "--resolution", "64x64", "--text-buckets", BUCKET, *args, check=False)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    assert not (tmp_path / "b").exists()
