@@ -13,6 +13,8 @@ pictures' exact aspects is the size the patched reference computes. The vision s
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import shutil
 from pathlib import Path
@@ -209,3 +211,76 @@ def test_edit_build_flags_refused_in_one_line(edit_ckpt, tmp_path, args, message
             "--resolution", "64x64", "--text-buckets", BUCKET, *args, check=False)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_served_edit_is_the_png_qic_run_writes(edit_export, tmp_path):
+    """POST /v1/images/edits through the openai client's images.edit (two images: image[]), qic's fields in
+    extra_body: the PNG `qic run` writes for the same settings, byte for byte. An image that is no picture, a mask
+    (inpainting, not served yet) and a generation without images: 400 naming what is wrong."""
+    from openai import BadRequestError, OpenAI
+
+    from tests.test_serve import ServeProcess
+    paths = []
+    for i, img in enumerate(_pictures(2)):
+        paths.append(tmp_path / f"in{i}.png")
+        img.save(paths[-1])
+    settings = {"negative_prompt": NEGATIVE, "steps": STEPS, "guidance": GUIDANCE, "seed": SEED}
+    srv = ServeProcess(edit_export, tmp_path / "serve.log")
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
+        with open(paths[0], "rb") as a, open(paths[1], "rb") as b:
+            resp = client.images.edit(image=[a, b], prompt=PROMPT, size="{1}x{0}".format(*OUTPUT),
+                                      response_format="b64_json",
+                                      extra_body={**settings, "nearest_condition_size": True})
+        served = base64.b64decode(resp.data[0].b64_json)
+        (tmp_path / "junk.png").write_bytes(b"not a picture")
+        for files, message in [({"image": open(tmp_path / "junk.png", "rb")}, "is not a readable image"),
+                               ({"image": open(paths[0], "rb"), "mask": open(paths[1], "rb")}, "inpainting")]:
+            with pytest.raises(BadRequestError, match=message):
+                client.images.edit(**files, prompt=PROMPT)
+        with pytest.raises(BadRequestError, match="needs a condition image"):
+            client.images.generate(prompt=PROMPT, size="{1}x{0}".format(*OUTPUT))
+    finally:
+        srv.close()
+    out = tmp_path / "run.png"
+    qic("run", edit_export, "--prompt", PROMPT, *(a for p in paths for a in ("--image", p)), "--nearest-condition-size",
+        "--height", OUTPUT[0], "--width", OUTPUT[1], *(a for k, v in settings.items()
+                                                       for a in (f"--{k.replace('_', '-')}", v)), "--output", out)
+    assert served == out.read_bytes()
+
+
+def test_edits_on_a_text_to_image_program_are_refused():
+    """A bundle whose program reads no images answers /v1/images/edits 400, naming the generations route."""
+    from openai import BadRequestError, OpenAI
+
+    from tests.test_serve import FakeRunner, ThreadServer
+    with ThreadServer(FakeRunner()) as srv:
+        client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(BadRequestError, match="edits no images"):
+            client.images.edit(image=_png_bytes(_picture(32, 32, 0)), prompt=PROMPT)
+
+
+def _png_bytes(img: Image.Image) -> tuple[str, bytes, str]:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return ("picture.png", buf.getvalue(), "image/png")
+
+
+def test_tp2_and_tp2_cfg2_edits_draw_the_tp1_image(shared_dir, cache_dir, edit_ckpt, edit_export, tmp_path):
+    """The edit bundle at TP 2 (vision tower and VAE encoder replicated, the text encoder and denoiser sharded) and
+    at TP 2 x CFG-parallel 2, through `qic run` (their ranks spawned): TP 1's image within the bound."""
+    paths = []
+    for i, img in enumerate(_pictures(2)):
+        paths += ["--image", tmp_path / f"in{i}.png"]
+        img.save(tmp_path / f"in{i}.png")
+    images = {}
+    for name, bundle in [("tp1", edit_export),
+                         ("tp2", _build_edit(shared_dir, cache_dir, edit_ckpt, "bundle-edit-tp2-export", "--backend",
+                                             "export", "--tp", 2)),
+                         ("tp2-cfg2", _build_edit(shared_dir, cache_dir, edit_ckpt, "bundle-edit-tp2-cfgp-export",
+                                                  "--backend", "export", "--tp", 2, "--cfg-parallel"))]:
+        qic("run", bundle, "--prompt", PROMPT, *paths, "--nearest-condition-size", "--negative-prompt", NEGATIVE,
+            "--guidance", GUIDANCE, "--seed", SEED, "--steps", STEPS, "--height", OUTPUT[0], "--width", OUTPUT[1],
+            "--output", tmp_path / f"{name}.png")
+        images[name] = Image.open(tmp_path / f"{name}.png")
+    assert _within(images["tp2"], images["tp1"]) and _within(images["tp2-cfg2"], images["tp1"])

@@ -109,14 +109,14 @@ OPTIONS: tuple[RunOption, ...] = (
               minimum=-1, bundle_default=True),
     RunOption("cache_steps", str, CACHE_HELP + "a static mask, the steps that compute, e.g. 0-7,9,11,13 (no "
               "per-step read).", bundle_default=True, what="steps like '0-7,9'"),
-    # Qwen-Image-2.1's reference images (a bundle built with --condition-size). Not HTTP fields yet: images reach a
-    # server through /v1/images/edits (the editing issue).
-    RunOption("image", list, "Reference (condition) image file; repeat for several, in prompt order (Qwen-Image-2.1 "
-              "bundles built with --condition-size).", where=NOT_HTTP, opt_in=True, what="an image file path or a "
-              "list of them"),
-    RunOption("nearest_condition_size", bool, "Qwen-Image-2.1: a condition image whose size the bundle was not "
-              "built for is resized to the built condition size nearest its aspect instead of refused (the PNG's "
-              "text records the sizes used).", where=NOT_HTTP, opt_in=True),
+    # Reference (condition) images: Qwen-Image-2.1's and the Edit models' (a bundle built with --condition-size).
+    # Not JSON fields: images reach a server as files, through POST /v1/images/edits (qic.serve.app).
+    RunOption("image", list, "Reference (condition) image file; repeat for several, in prompt order (bundles built "
+              "with --condition-size: Qwen-Image-2.1, Qwen-Image-Edit 2509 / 2511).", where=NOT_HTTP, opt_in=True,
+              what="an image file path or a list of them"),
+    RunOption("nearest_condition_size", bool, "A condition image whose size the bundle was not built for is resized "
+              "to the built condition size nearest its aspect instead of refused (the PNG's text records the sizes "
+              "used).", where=NOT_HTTP, opt_in=True),
     RunOption("output_resolution", int, "Qwen-Image-2.1: condition images are resized to about its square in "
               "pixels at their aspect, and the output size follows the last one (default: the bundle's, else 1024).",
               minimum=32, where=NOT_HTTP, opt_in=True, bundle_default=True),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import logging
 import time
@@ -13,7 +14,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException
 
 from qic.errors import QicError
@@ -55,6 +56,17 @@ def _field(option):
 ImageRequest = create_model("ImageRequest", __base__=_OpenAIFields,
                             **{o.name: _field(o) for o in given_at(HTTP)})
 _REQUEST_FIELDS = tuple(o.name for o in given_at(HTTP) if o.request)
+
+
+class EditRequest(ImageRequest):
+    """POST /v1/images/edits' fields other than its files: a multipart form's values are strings, so they convert
+    as their types say ("3" is a number here), with the same ranges. nearest_condition_size: a condition image
+    whose size the bundle was not built for is resized to the nearest built size instead of refused."""
+    model_config = ConfigDict(extra="forbid", strict=False)
+    nearest_condition_size: bool | None = None
+
+
+EDIT_FILES = ("image", "image[]", "mask")   # the OpenAI client sends one image as image, several as image[]
 
 
 class ApiError(Exception):
@@ -134,7 +146,21 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI
 
     @app.post("/v1/images/generations")
     async def generations(body: ImageRequest, request: Request):
-        items = _plan(runner, settings, body)
+        return await _serve(body, _plan(runner, settings, body), request)
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request):
+        """The OpenAI images API's edits: a multipart form with the image(s) (`image`, or `image[]` for several, in
+        prompt order), the prompt and the generation fields; an edit bundle's program reads the images."""
+        body, images = await _edit_form(await request.form())
+        if "image" not in runner.program.Request.__dataclass_fields__:
+            raise ApiError(400, f"this model edits no images (its host program is {runner.program.__name__}); "
+                                "POST /v1/images/generations", "image")
+        request.state.log["images"] = len(images)
+        extra = {"image": images, "nearest_condition_size": body.nearest_condition_size}
+        return await _serve(body, _plan(runner, settings, body, extra), request)
+
+    async def _serve(body, items, request: Request):
         log = request.state.log
         log.update(n=body.n, size=body.size, steps=items[0][0].steps, seed=body.seed)   # steps: as resolved
         try:
@@ -212,8 +238,39 @@ class AccessLog:
             access_log.info(json.dumps(record))
 
 
-def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
-    """One generation request per image (seeds seed, seed+1, ...), each checked against the bundle."""
+async def _edit_form(form) -> tuple[EditRequest, list]:
+    """An edits form's fields as EditRequest (400 naming a bad one) and its images, decoded now (400 naming a file
+    that is no readable image). A mask (inpainting) is not served yet: 400."""
+    from PIL import Image
+    if form.getlist("mask"):
+        raise ApiError(400, "mask: inpainting is not served yet; send the image(s) and the prompt", "mask")
+    fields = {k: v for k, v in form.multi_items() if k not in EDIT_FILES}
+    try:
+        body = EditRequest.model_validate(fields)
+    except ValidationError as e:   # the first error, as the JSON routes answer
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise ApiError(400, f"{param or 'form'}: {err.get('msg')}", param) from None
+    files = form.getlist("image") + form.getlist("image[]")
+    if not files:
+        raise ApiError(400, "image: an edit needs at least one image file", "image")
+    images = []
+    for f in files:
+        if isinstance(f, str):
+            raise ApiError(400, "image: expected a file upload, got a text field", "image")
+        try:
+            with Image.open(io.BytesIO(await f.read())) as im:
+                im.load()
+                images.append(im.copy())
+        except Exception as e:   # PIL's many decode errors: one line naming the upload
+            raise ApiError(400, f"image: {f.filename or 'an upload'} is not a readable image ({type(e).__name__})",
+                           "image") from None
+    return body, images
+
+
+def _plan(runner, settings: Settings, body: ImageRequest, extra: dict | None = None) -> list[tuple]:
+    """One generation request per image (seeds seed, seed+1, ...), each checked against the bundle. `extra`: the
+    edits' fields (the images, nearest_condition_size), which the program's Request takes as it is."""
     if body.n > settings.max_n:
         raise ApiError(400, f"n is {body.n}; this server makes at most {settings.max_n} images a request", "n")
     # A request's images are admitted together, so more than the whole queue would get 429 forever.
@@ -237,6 +294,7 @@ def _plan(runner, settings: Settings, body: ImageRequest) -> list[tuple]:
         raise ApiError(400, f"{refused[0]}: this model's runs take no such option (its host program is "
                             f"{runner.program.__name__})", refused[0])
     fields = {k: getattr(body, k) for k in _REQUEST_FIELDS if k in request.__dataclass_fields__}
+    fields |= {k: v for k, v in (extra or {}).items() if v is not None and k in request.__dataclass_fields__}
     items = []
     for i in range(body.n):
         req = request(**fields | dict(seed=body.seed + i, height=height, width=width))
