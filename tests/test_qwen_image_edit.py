@@ -284,3 +284,23 @@ def test_tp2_and_tp2_cfg2_edits_draw_the_tp1_image(shared_dir, cache_dir, edit_c
             "--output", tmp_path / f"{name}.png")
         images[name] = Image.open(tmp_path / f"{name}.png")
     assert _within(images["tp2"], images["tp1"]) and _within(images["tp2-cfg2"], images["tp1"])
+
+
+def test_edit_graphs_lower_check_and_run_on_xla_cpu(edit_ckpt, pipe, tmp_path):
+    """The neuron back end (its lowering half, torch-xla in .venv-xla): every edit graph (vision tower, VAE encoder,
+    the text encoder's and the step's images forms, the decoder) lowered and checked on XLA:CPU against eager at
+    TP 1 and TP 2 (collectives checked at both ranks); `qic run --device xla-cpu` edits as the pipeline does."""
+    from tests.test_neuron_xla import xla_qic
+    paths = []
+    for i, img in enumerate(_pictures(1)):
+        paths += ["--image", tmp_path / f"in{i}.png"]
+        img.save(tmp_path / f"in{i}.png")
+    common = ["--backend", "neuron", "--model", edit_ckpt, "--resolution", "{}x{}".format(*OUTPUT), "--text-buckets",
+              BUCKET, "--condition-size", "{}x{}".format(*SIZES[0]), "--cache-dir", tmp_path / "cache"]
+    for tp in (1, 2):
+        proc = xla_qic("build", *common, "--tp", tp, "--output", tmp_path / f"tp{tp}")
+        assert "5 of 5 graphs executed on XLA:CPU and matched eager PyTorch" in proc.stdout + proc.stderr, proc.stdout
+    xla_qic("run", tmp_path / "tp1", "--device", "xla-cpu", "--prompt", PROMPT, *paths, "--nearest-condition-size",
+            "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED, "--steps", STEPS,
+            "--height", OUTPUT[0], "--width", OUTPUT[1], "--output", tmp_path / "xla.png")
+    assert _within(Image.open(tmp_path / "xla.png"), _reference(pipe, _pictures(1)))
