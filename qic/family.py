@@ -44,6 +44,9 @@ class Family:
     host: str                     # the module of its host program (run time: qic.runtime.programs)
     # The host program of its builds with condition sizes, when they need another (Qwen-Image's editing); None: `host`
     conditions_host: str | None = None
+    # Per pipeline class that reads condition images: (default condition sizes, default --condition-images), what a
+    # build of such a checkpoint gets without --condition-size / --condition-images (qic.spec)
+    condition_defaults: Mapping[str, tuple[tuple[tuple[int, int], ...], int]] = field(default_factory=dict)
     tokenizer: str = "tokenizer"  # the checkpoint folder holding its tokenizer files (Qwen-Image-2.1: processor)
     # The back ends its graphs are made for (qic.backends' names; None: every one). Checked by the build before any
     # work (qic.spec, when the build config is read), so no family code asks which back end it is built for.

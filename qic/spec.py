@@ -195,7 +195,7 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
                           f"{' and '.join(fam.backends)} back end{'s' if len(fam.backends) > 1 else ''}, not {backend} "
                           "(not yet)", f"build with --backend {fam.backends[0]}")
     known = family.names(fam)
-    condition_sizes, condition_images = _conditions(raw, at)
+    condition_sizes, condition_images = _conditions(raw, at, fam.condition_defaults.get(model_class(model)))
     components = _components(raw, fam, bool(condition_sizes), at)
     resolutions = default_resolutions(model)
     spec = BuildSpec(
@@ -238,14 +238,18 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
     return spec
 
 
-def _conditions(raw: Mapping, at) -> tuple[tuple[tuple[int, int], ...], int]:
+def _conditions(raw: Mapping, at, defaults=None) -> tuple[tuple[tuple[int, int], ...], int]:
     """(condition sizes, condition images): sizes as resolutions are written, in the order given, each once; the
-    image count 1 when sizes are given without it, and no count without sizes (nothing to run them on)."""
+    image count 1 when sizes are given without it, and no count without sizes (nothing to run them on). `defaults`:
+    the checkpoint's pipeline class's (sizes, count) when it reads condition images (qic.family.Family
+    .condition_defaults), what a build without the keys gets."""
     sizes = tuple(dict.fromkeys(parse_resolution(r, at("condition_sizes")) for r in _str_list(
         raw.get("condition_sizes") or [], "condition_sizes", at("condition_sizes"))))
+    if defaults and not sizes:
+        sizes = tuple(defaults[0])
     count = raw.get("condition_images")
     if count is None:
-        return sizes, 1 if sizes else 0
+        return sizes, (defaults[1] if defaults else 1) if sizes else 0
     count = _positive_int(count, "condition_images", at("condition_images"))
     if not sizes:
         raise ConfigError(f"{at('condition_images')}: condition_images {count} needs condition_sizes (the sizes "
@@ -545,6 +549,20 @@ def model_family(model: str | None) -> family.Family:
 
     index = local_model_index(model)
     return family.of_model_index(index) if index is not None else family.default()
+
+
+def model_class(model: str | None) -> str | None:
+    """The pipeline class a model's model_index.json names, where model_family can read it; None otherwise."""
+    import json
+
+    from qic.checkpoint.model_index import local_model_index
+
+    index = local_model_index(model)
+    try:
+        data = json.loads(index.read_text()) if index is not None else None
+    except (OSError, ValueError):
+        return None   # model_family has already refused an unreadable file, naming it
+    return data.get("_class_name") if isinstance(data, dict) else None
 
 
 def with_changes(spec: BuildSpec, **changes) -> BuildSpec:

@@ -201,7 +201,6 @@ def test_compiled_edit_bundle_through_the_cli(shared_dir, cache_dir, edit_ckpt, 
 
 
 @pytest.mark.parametrize("args,message", [
-    ([], "needs their sizes"),
     (["--condition-size", "64x64", "--batch-sizes", "1,2"], "--batch-sizes other than 1: not yet"),
     (["--condition-size", "64x64", "--step-cache", "1,0"], "step caching: not yet"),
     (["--condition-size", "48x64"], "multiples of 32"),
@@ -304,3 +303,22 @@ def test_edit_graphs_lower_check_and_run_on_xla_cpu(edit_ckpt, pipe, tmp_path):
             "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED, "--steps", STEPS,
             "--height", OUTPUT[0], "--width", OUTPUT[1], "--output", tmp_path / "xla.png")
     assert _within(Image.open(tmp_path / "xla.png"), _reference(pipe, _pictures(1)))
+
+
+def test_an_edit_plus_build_defaults_to_the_seven_aspects_and_three_images(edit_ckpt):
+    """Without --condition-size an Edit Plus build holds the seven aspect presets' shapes at the pipeline's VAE-side
+    area (the family record's list, checked here against the sizing the edit program applies to an image of each
+    aspect), up to three images a request; the default build's graphs: per condition size a vision tower and a VAE
+    encoder, beside a text-to-image build's (docs/design.md counts them)."""
+    from qic.host.aspect import PRESETS
+    from qic.models.qwen_image.family import FAMILY
+    from qic.models.qwen_image.host.conditions import vae_side
+    from qic.spec import parse_spec
+    sizes, images = FAMILY.condition_defaults["QwenImageEditPlusPipeline"]
+    assert list(sizes) == [vae_side(h, w) for h, w in PRESETS.values()] and images == 3
+    spec = parse_spec({"model": str(edit_ckpt), "resolutions": ["64x64"], "text_buckets": [BUCKET]})
+    assert spec.condition_sizes == sizes and spec.condition_images == 3
+    assert spec.components[-2:] == ("vision", "vae_encoder")
+    # a count given, the sizes default; sizes given, the count defaults to the class's
+    assert parse_spec({"model": str(edit_ckpt), "condition_images": 2}).condition_sizes == sizes
+    assert parse_spec({"model": str(edit_ckpt), "condition_sizes": ["64x64"]}).condition_images == 3

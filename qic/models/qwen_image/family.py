@@ -13,4 +13,9 @@ FAMILY = Family(
     host="qic.runtime.generate",
     # Editing's program (condition images, the edit template): qic/models/qwen_image/host/
     conditions_host="qic.models.qwen_image.host",
+    # An Edit Plus build without --condition-size: the seven aspect presets' shapes at the pipeline's VAE-side area,
+    # 1024*1024 pixels (calculate_dimensions, as qic.models.qwen_image.host.conditions sizes an image; a test checks
+    # the list against it), up to three images a request (the pipeline's "Picture 1..3")
+    condition_defaults={"QwenImageEditPlusPipeline": (((1024, 1024), (768, 1376), (1376, 768), (896, 1184),
+                                                       (1184, 896), (832, 1248), (1248, 832)), 3)},
 )
