@@ -65,6 +65,9 @@ def write_checkpoint(root: Path, seed: int = 0, zero_cond_t: bool = False) -> Pa
     with torch.no_grad():
         vae.decoder.conv_out.weight.mul_(VAE_CONV_OUT_SCALE)
     vae.save_pretrained(root / "vae")
+    # the preset's config as written (diffusers adds its defaults' keys): the decoder's graph key is then the session
+    # tiny checkpoint's, whose compiled decoder the edit bundle reuses (a compile cache hit, not a new graph)
+    (root / "vae" / "config.json").write_text(json.dumps(configs["vae"], indent=2))
     diffusers.FlowMatchEulerDiscreteScheduler.from_config(configs["scheduler"]).save_pretrained(root / "scheduler")
     for folder in ("tokenizer", "processor"):
         (root / folder).mkdir(exist_ok=True)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import _build, image_diff, made_once, qic
+from tests.conftest import TINY_RES, _build, image_diff, made_once, qic
 from tests.helpers import MAX_PIXEL, MEAN_PIXEL
 
 pytestmark = pytest.mark.slow   # every test builds a bundle (the export back end: tracing, no C++) or runs diffusers
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow   # every test builds a bundle (the export back en
 REFERENCE_VAE_AREA = 96 * 64            # the reference pipeline's VAE side (module docstring)
 SIZES = ((64, 64), (64, 96))            # the built condition sizes: a square and a 3:2 picture at that area
 PICTURES = ((80, 80), (80, 120))        # (height, width) of the pictures given: SIZES' aspects, another size
-OUTPUT = (64, 64)
+OUTPUT = TINY_RES                       # the session's tiny bundles' size: their decoder graph, a cache hit
 STEPS, SEED, PROMPT, NEGATIVE, GUIDANCE = 3, 7, "make the circle red", "blurry", 4.0
 BUCKET = 256                            # the edit template with two pictures and the prompt fit (image tokens aside)
 
@@ -62,10 +62,10 @@ def edit_2511_ckpt(shared_dir) -> Path:
     return Path(made_once(shared_dir, "ckpt-edit-2511", lambda out: str(write_checkpoint(out, zero_cond_t=True))))
 
 
-def _build_edit(shared_dir, cache_dir, ckpt, name, *args):
-    sizes = [a for s in SIZES for a in ("--condition-size", "{}x{}".format(*s))]
+def _build_edit(shared_dir, cache_dir, ckpt, name, *args, sizes=SIZES):
+    flags = [a for s in sizes for a in ("--condition-size", "{}x{}".format(*s))]
     return _build(shared_dir, name, "--model", ckpt, "--cache-dir", cache_dir, "--resolution", "{}x{}".format(*OUTPUT),
-                  "--text-buckets", BUCKET, *sizes, "--condition-images", 2, *args)[0]
+                  "--text-buckets", BUCKET, *flags, "--condition-images", len(sizes), *args)[0]
 
 
 @pytest.fixture(scope="module")
@@ -174,25 +174,24 @@ def test_zero_cond_t_2511(shared_dir, cache_dir, edit_2511_ckpt, tmp_path):
     assert not _within(_ours(off, images), ref)
 
 
-def test_compiled_edit_bundle_through_the_cli(shared_dir, cache_dir, edit_ckpt, edit_export, pipe, tmp_path):
-    """The inductor bundle as a user runs it: `qic run BUNDLE --image A.png --image B.png`; the PNG records the
-    sizes used. Refused in one line each, nothing written: an unbuilt size without --nearest-condition-size, more
-    images than built for, a missing file."""
-    bundle = _build_edit(shared_dir, cache_dir, edit_ckpt, "bundle-edit")
-    images = _pictures(2)
-    paths = []
-    for i, img in enumerate(images):
-        paths += ["--image", tmp_path / f"in{i}.png"]
-        img.save(tmp_path / f"in{i}.png")
+def test_compiled_edit_bundle_through_the_cli(shared_dir, cache_dir, edit_ckpt, pipe, tmp_path):
+    """The inductor bundle (one condition size: the kinds of graph compiled once; the decoder is the session tiny
+    bundles') as a user runs it, `qic run BUNDLE --image A.png`; the PNG records the size used. Refused in one line
+    each, nothing written: an unbuilt size without --nearest-condition-size, more images than built for, a missing
+    file."""
+    bundle = _build_edit(shared_dir, cache_dir, edit_ckpt, "bundle-edit", sizes=SIZES[:1])
+    images = _pictures(1)
+    images[0].save(tmp_path / "in0.png")
+    paths = ["--image", tmp_path / "in0.png"]
     out = tmp_path / "out.png"
     common = ["run", bundle, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED,
               "--steps", STEPS, "--height", OUTPUT[0], "--width", OUTPUT[1]]
     qic(*common, *paths, "--nearest-condition-size", "--output", out)
     got = Image.open(out)
     assert _within(got, _reference(pipe, images))
-    assert got.text["conditions"].startswith("64x64, 64x96 (image 1: 1024x1024 -> 64x64")
+    assert got.text["conditions"] == "64x64 (image 1: 1024x1024 -> 64x64)"
     for args, message in [(paths, "--nearest-condition-size"),
-                          (paths * 2, "takes at most 2"),
+                          (paths * 2, "takes at most 1"),
                           (["--image", tmp_path / "missing.png"], "missing.png: condition image not found")]:
         bad = tmp_path / "bad.png"
         r = qic(*common, *args, "--output", bad, check=False)
@@ -285,17 +284,18 @@ def test_tp2_and_tp2_cfg2_edits_draw_the_tp1_image(shared_dir, cache_dir, edit_c
     assert _within(images["tp2"], images["tp1"]) and _within(images["tp2-cfg2"], images["tp1"])
 
 
-def test_edit_graphs_lower_check_and_run_on_xla_cpu(edit_ckpt, pipe, tmp_path):
+def test_edit_graphs_lower_check_and_run_on_xla_cpu(edit_ckpt, pipe, neuron_cache, tmp_path):
     """The neuron back end (its lowering half, torch-xla in .venv-xla): every edit graph (vision tower, VAE encoder,
     the text encoder's and the step's images forms, the decoder) lowered and checked on XLA:CPU against eager at
-    TP 1 and TP 2 (collectives checked at both ranks); `qic run --device xla-cpu` edits as the pipeline does."""
+    TP 1 and TP 2 (collectives checked at both ranks; the decoder's lowering the session neuron bundle's, one
+    cache); `qic run --device xla-cpu` edits as the pipeline does."""
     from tests.test_neuron_xla import xla_qic
     paths = []
     for i, img in enumerate(_pictures(1)):
         paths += ["--image", tmp_path / f"in{i}.png"]
         img.save(tmp_path / f"in{i}.png")
     common = ["--backend", "neuron", "--model", edit_ckpt, "--resolution", "{}x{}".format(*OUTPUT), "--text-buckets",
-              BUCKET, "--condition-size", "{}x{}".format(*SIZES[0]), "--cache-dir", tmp_path / "cache"]
+              BUCKET, "--condition-size", "{}x{}".format(*SIZES[0]), "--cache-dir", neuron_cache]
     for tp in (1, 2):
         proc = xla_qic("build", *common, "--tp", tp, "--output", tmp_path / f"tp{tp}")
         assert "5 of 5 graphs executed on XLA:CPU and matched eager PyTorch" in proc.stdout + proc.stderr, proc.stdout
