@@ -40,6 +40,10 @@ class BuildSpec:
     tp: int = 1
     # The model family (qic.family), picked by the model's model_index.json; the default model's by default.
     family: str = field(default_factory=lambda: family.default().name)
+    # The checkpoint's pipeline class (its model_index.json `_class_name`) where it can be read without a download
+    # (model_class); None for the embedded checkpoints. Read, not set: a family's graphs may differ by class
+    # (Qwen-Image's Edit and Edit Plus size their vision inputs differently).
+    pipeline_class: str | None = None
     # Per component, in the family's order (qic.family: its definitions are read when a spec is made).
     dtype: tuple[tuple[str, str], ...] = field(
         default_factory=lambda: tuple((c, "float32") for c in family.names(family.default())))
@@ -195,12 +199,14 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
                           f"{' and '.join(fam.backends)} back end{'s' if len(fam.backends) > 1 else ''}, not {backend} "
                           "(not yet)", f"build with --backend {fam.backends[0]}")
     known = family.names(fam)
-    condition_sizes, condition_images = _conditions(raw, at, fam.condition_defaults.get(model_class(model)))
+    pipeline_class = model_class(model)
+    condition_sizes, condition_images = _conditions(raw, at, fam.condition_defaults.get(pipeline_class))
     components = _components(raw, fam, bool(condition_sizes), at)
     resolutions = default_resolutions(model)
     spec = BuildSpec(
         model=model,
         family=fam.name,
+        pipeline_class=pipeline_class,
         backend=backend,
         device=device,
         tp=tp,

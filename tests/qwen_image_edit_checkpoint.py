@@ -46,9 +46,11 @@ INDEX = {"_class_name": "QwenImageEditPlusPipeline", "_diffusers_version": "0.36
 VAE_CONV_OUT_SCALE = 0.3
 
 
-def write_checkpoint(root: Path, seed: int = 0, zero_cond_t: bool = False) -> Path:
+def write_checkpoint(root: Path, seed: int = 0, zero_cond_t: bool = False,
+                     pipeline: str = "QwenImageEditPlusPipeline") -> Path:
     """Write the checkpoint into `root` (created), weights re-drawn by tests.helpers.sensitize_ so that every weight
-    shows in the image. Returns root."""
+    shows in the image; `pipeline`: the model_index class (QwenImageEditPipeline: Qwen-Image-Edit's). Returns
+    root."""
     import diffusers
     import transformers
 
@@ -75,7 +77,7 @@ def write_checkpoint(root: Path, seed: int = 0, zero_cond_t: bool = False) -> Pa
             (root / folder / name).write_bytes(data)
     (root / "processor" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (root / "processor" / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    (root / "model_index.json").write_text(json.dumps(INDEX, indent=2))
+    (root / "model_index.json").write_text(json.dumps({**INDEX, "_class_name": pipeline}, indent=2))
     return root
 
 
@@ -89,14 +91,16 @@ def give_3d_positions(text_encoder) -> None:
 
 
 def load_pipeline(root: Path):
-    """diffusers' QwenImageEditPlusPipeline on the checkpoint, fp32 on CPU, each component by its class's own
-    from_pretrained, with the images processor and the 3-D positions (module docstring)."""
+    """diffusers' pipeline of the checkpoint's class (QwenImageEditPlusPipeline, QwenImageEditPipeline), fp32 on
+    CPU, each component by its class's own from_pretrained, with the images processor and the 3-D positions (module
+    docstring)."""
     import diffusers
     import transformers
 
     root = Path(root)
     te = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=torch.float32)
-    pipe = diffusers.QwenImageEditPlusPipeline(
+    cls = getattr(diffusers, json.loads((root / "model_index.json").read_text())["_class_name"])
+    pipe = cls(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler"),
         vae=diffusers.AutoencoderKLQwenImage.from_pretrained(root / "vae", torch_dtype=torch.float32),
         text_encoder=te,

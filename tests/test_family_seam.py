@@ -216,7 +216,8 @@ def test_an_unknown_pipeline_class_is_refused_in_one_line_naming_file_class_and_
     ckpt, _ = _checkpoint(tmp_path / "ckpt", class_name="NoSuchPipeline")
     proc = qic("build", "--model", ckpt, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "out", check=False)
     one_line_refusal(proc, f"{ckpt / 'model_index.json'}: _class_name 'NoSuchPipeline' is no model family qic knows",
-                     "(known: QwenImage21Pipeline, QwenImageEditPlusPipeline, QwenImagePipeline)")
+                     "(known: QwenImage21Pipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, "
+                     "QwenImagePipeline)")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr   # one line: no fix to offer
     assert not (tmp_path / "out").exists()
 

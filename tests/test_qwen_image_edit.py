@@ -174,6 +174,34 @@ def test_zero_cond_t_2511(shared_dir, cache_dir, edit_2511_ckpt, tmp_path):
     assert not _within(_ours(off, images), ref)
 
 
+def test_qwen_image_edit_v1(shared_dir, cache_dir, tmp_path):
+    """Qwen-Image-Edit (QwenImageEditPipeline): one image, inline in its template, the processor handed the VAE-side
+    image, as the pipeline edits (its area patched down like the Plus reference's: its calculate_dimensions, whose
+    1024*1024 is a literal in its __call__). The Plus template on the same weights (what a build that took an Edit
+    checkpoint for an Edit Plus one would run) leaves the bound; a second image is refused at build."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as v1
+
+    from qic.models.qwen_image import host
+    from tests.qwen_image_edit_checkpoint import load_pipeline, write_checkpoint
+    ckpt = Path(made_once(shared_dir, "ckpt-edit-v1",
+                          lambda out: str(write_checkpoint(out, pipeline="QwenImageEditPipeline"))))
+    bundle = _build_edit(shared_dir, cache_dir, ckpt, "bundle-edit-v1-export", "--backend", "export",
+                         sizes=SIZES[:1])
+    images = _pictures(1)
+    real = v1.calculate_dimensions
+    with mock.patch.object(v1, "calculate_dimensions", lambda area, ratio: real(REFERENCE_VAE_AREA, ratio)):
+        ref = load_pipeline(ckpt)(image=images[0], prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE,
+                                  height=OUTPUT[0], width=OUTPUT[1], num_inference_steps=STEPS,
+                                  generator=torch.Generator().manual_seed(SEED)).images[0]
+    assert _within(_ours(bundle, images), ref)
+    real_text = host.edit_prompt_text
+    with mock.patch.object(host, "edit_prompt_text", lambda p, n, plus=True: real_text(p, n, True)):
+        assert not _within(_ours(bundle, images), ref)
+    r = qic("build", "--model", ckpt, "--output", tmp_path / "b", "--condition-images", 2, "--resolution", "64x64",
+            check=False)
+    assert r.returncode == 2 and "reads one condition image" in r.stderr, r.stderr
+
+
 def test_compiled_edit_bundle_through_the_cli(shared_dir, cache_dir, edit_ckpt, pipe, tmp_path):
     """The inductor bundle (one condition size: the kinds of graph compiled once; the decoder is the session tiny
     bundles') as a user runs it, `qic run BUNDLE --image A.png`; the PNG records the size used. Refused in one line

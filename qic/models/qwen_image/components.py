@@ -38,7 +38,7 @@ from qic.models.qwen_image.graphs import (
     vae_encoder_graph,
     vision_graph,
 )
-from qic.models.qwen_image.host.conditions import LATENT_PATCH, built_grid, slots
+from qic.models.qwen_image.host.conditions import LATENT_PATCH, PLUS, V1, built_grid, slots
 from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT, mmdit_state_dict
 from qic.models.qwen_image.text_encoder import (
     LoopedTextEncoder,
@@ -59,13 +59,22 @@ def _batches(spec) -> list[dict]:
     return [{} if n == 1 else {"batch": n} for n in spec.batch_sizes]
 
 
-EDIT_CLASSES = ("QwenImageEditPlusPipeline",)   # the pipelines an edit build (condition sizes) reads
+# The pipelines an edit build (condition sizes) reads, and how each sizes its vision inputs (host/conditions.py)
+EDIT_CLASSES = {"QwenImageEditPlusPipeline": PLUS, "QwenImageEditPipeline": V1}
+
+
+def edit_kind(spec) -> str:
+    return EDIT_CLASSES.get(spec.pipeline_class, PLUS)
+
+
+def _edit(spec) -> dict:
+    return {"edit": V1} if edit_kind(spec) == V1 else {}   # Edit Plus's shapes name no kind (the first built)
 
 
 def _conditions(spec) -> dict:
     """An edit build's condition capacity, as its images forms' shapes record it (the graph makers derive the
     slots from it and the configs)."""
-    return {"conditions": [list(s) for s in spec.condition_sizes], "images": spec.condition_images}
+    return {"conditions": [list(s) for s in spec.condition_sizes], "images": spec.condition_images} | _edit(spec)
 
 
 def _text_encoder_shapes(spec) -> list[dict]:
@@ -101,7 +110,7 @@ def _vae_decoder_shapes(spec) -> list[dict]:
 
 
 def _condition_shapes(spec) -> list[dict]:
-    return [{"resolution": [h, w]} for h, w in spec.condition_sizes]
+    return [{"resolution": [h, w]} | _edit(spec) for h, w in spec.condition_sizes]
 
 
 def grid_settings(vision: VisionConfig) -> dict:
@@ -112,7 +121,8 @@ def grid_settings(vision: VisionConfig) -> dict:
 
 def _capacity(configs, shape) -> tuple[int, int]:
     """(vision-token slots, condition latent tokens) of an images form's shape."""
-    return slots([tuple(s) for s in shape["conditions"]], shape["images"], grid_settings(configs["vision"]))
+    return slots([tuple(s) for s in shape["conditions"]], shape["images"], grid_settings(configs["vision"]),
+                 shape.get("edit", PLUS))
 
 
 def _text_encoder_graph(module, configs, shape, dtype, layout):
@@ -123,7 +133,8 @@ def _text_encoder_graph(module, configs, shape, dtype, layout):
 
 def _vision_graph(module, configs, shape, dtype, layout):
     size = tuple(shape["resolution"])
-    return vision_graph(module, *size, built_grid(size, grid_settings(configs["vision"])), dtype)
+    return vision_graph(module, *size, built_grid(size, grid_settings(configs["vision"]), shape.get("edit", PLUS)),
+                        dtype)
 
 
 def _vae_encoder_graph(module, configs, shape, dtype, layout):
@@ -258,7 +269,7 @@ def validate(spec, ctx) -> None:
 
 def _check_edit(spec, ctx) -> None:
     """An edit build: an Edit Plus checkpoint with condition sizes, and what its graphs do not take yet refused."""
-    cls = pipeline_class(ctx)
+    cls = spec.pipeline_class or pipeline_class(ctx)
     edit = cls in EDIT_CLASSES
     if edit and not spec.condition_sizes:
         raise ConfigError(f"{ctx.ckpt.root}: {cls} edits condition images: its build needs their sizes",
@@ -266,8 +277,11 @@ def _check_edit(spec, ctx) -> None:
     if not spec.condition_sizes:
         return
     if not edit:
-        raise ConfigError(f"{ctx.ckpt.root}: {cls} takes no condition images; condition sizes need an Edit Plus "
+        raise ConfigError(f"{ctx.ckpt.root}: {cls} takes no condition images; condition sizes need an Edit "
                           f"checkpoint ({', '.join(EDIT_CLASSES)})", "drop --condition-size")
+    if EDIT_CLASSES[cls] == V1 and spec.condition_images != 1:
+        raise ConfigError(f"{cls} reads one condition image; --condition-images {spec.condition_images}",
+                          "drop --condition-images (Edit Plus checkpoints take several)")
     for what, bad in (("--batch-sizes other than 1", tuple(spec.batch_sizes) != (1,)),
                       ("step caching", bool(spec.step_cache)), (f"--ulysses {spec.ulysses}", spec.ulysses > 1),
                       ("exact-length text (bucket 0)", 0 in spec.text_buckets)):
@@ -284,7 +298,8 @@ def _check_edit(spec, ctx) -> None:
                           f"{proc['patch_size']}/{proc['merge_size']} differ from the vision tower's "
                           f"{vision.patch_size}/{vision.spatial_merge_size}")
     for size in spec.condition_sizes:
-        if built_grid(size, proc) != built_grid(size, grid_settings(vision)):
+        kind = EDIT_CLASSES[cls]
+        if built_grid(size, proc, kind) != built_grid(size, grid_settings(vision), kind):
             raise ConfigError(f"condition size {size[0]}x{size[1]}: the checkpoint's image processor bounds its "
                               f"pixels ({proc['min_pixels']}..{proc['max_pixels']}) so that the vision grid is not the "
                               "published processor's", "use a condition size within those bounds")
@@ -294,7 +309,7 @@ def _check_edit(spec, ctx) -> None:
             raise ConfigError(f"{ctx.ckpt.tokenizer_dir}: the tokenizer's {IMAGE_PAD} is {pad}; the text encoder's "
                               f"config says image_token_id {text.image_token_id}")
         n = spec.condition_images
-        need = len(ctx.tokenizer.encode(edit_prompt_text(" ", n)).ids) - n   # less the pads the slots hold
+        need = len(ctx.tokenizer.encode(edit_prompt_text(" ", n, EDIT_CLASSES[cls] == PLUS)).ids) - n   # less the pads
         for b in spec.text_buckets:
             if b < max(need, EDIT_DROP_TOKENS + 1):
                 raise ConfigError(f"text bucket {b} is too small for the edit template with {n} picture(s) ({need} "
@@ -308,10 +323,12 @@ def manifest_fields(spec, ctx) -> dict:
     edit = {}
     if spec.condition_sizes:
         proc = image_processor_settings(ctx.ckpt.root / "processor", QWEN2_5_VL)
-        n_slots, cond_tokens = slots(spec.condition_sizes, spec.condition_images, proc)
-        edit = {"prompt": {"edit": "plus", "drop_tokens": EDIT_DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
-                "conditions": {"sizes": [list(s) for s in spec.condition_sizes], "images": spec.condition_images,
-                               "grids": [list(built_grid(s, proc)) for s in spec.condition_sizes],
+        kind = edit_kind(spec)
+        n_slots, cond_tokens = slots(spec.condition_sizes, spec.condition_images, proc, kind)
+        edit = {"prompt": {"drop_tokens": EDIT_DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
+                "conditions": {"edit": kind, "sizes": [list(s) for s in spec.condition_sizes],
+                               "images": spec.condition_images,
+                               "grids": [list(built_grid(s, proc, kind)) for s in spec.condition_sizes],
                                "slots": n_slots, "cond_tokens": cond_tokens, "processor": proc,
                                "image_token_id": ctx.configs["text_encoder"].image_token_id},
                 "denoiser": {"axes_dims_rope": list(den.axes_dims_rope)}}

@@ -1,5 +1,6 @@
 """Qwen-Image's editing host program (qic.runtime.programs): host code over an edit bundle's graphs, as diffusers'
-QwenImageEditPlusPipeline edits (Qwen-Image-Edit-2509; -2511 is the same program over a zero_cond_t denoiser).
+QwenImageEditPlusPipeline edits (Qwen-Image-Edit-2509; -2511 is the same program over a zero_cond_t denoiser), and
+QwenImageEditPipeline (Qwen-Image-Edit: one image, inline in its template, its vision side the VAE side's image).
 
 Per request: the condition images sized as the pipeline sizes them (host/conditions.py: the VAE side at 1024*1024
 pixels, the vision side at 384*384, each a built condition size and grid), each through the bundle's vae_encoder
@@ -35,6 +36,7 @@ from qic.host.prompt import edit_prompt_text, pick_bucket
 from qic.host.schedule import flow_match_schedule
 from qic.models.qwen_image.host.conditions import (
     LATENT_PATCH,
+    V1,
     VAE_AREA,
     Sized,
     read_images,
@@ -77,7 +79,7 @@ def _defaults(model, req: Request):
     if req.seed is None:
         req.seed = 0
     if req.height is None and req.width is None:
-        # the pipeline's: the last image's aspect at 1024*1024 pixels, cut to multiples of 16
+        # the pipelines': the last image's aspect at 1024*1024 pixels (Edit's one image), cut to multiples of 16
         last = images[-1]
         h, w = calculate_dimensions(VAE_AREA, last.width / last.height)
         req.height, req.width = h // LATENT_PATCH * LATENT_PATCH, w // LATENT_PATCH * LATENT_PATCH
@@ -96,7 +98,8 @@ def _tokens(model, req: Request, sized: list[Sized]) -> tuple[list[list[int]], i
     used = sum(vision_tokens(s.grid, merge) for s in sized)
     cfg = req.guidance > 1 and req.negative_prompt is not None
     prompts = [req.prompt] + ([req.negative_prompt] if cfg else [])
-    ids = [model.tokenizer.encode(expand_image_pads(edit_prompt_text(p, len(sized)), grids, merge)).ids
+    plus = cond.get("edit") != V1
+    ids = [model.tokenizer.encode(expand_image_pads(edit_prompt_text(p, len(sized), plus), grids, merge)).ids
            for p in prompts]
     for i in ids:
         if i.count(cond["image_token_id"]) != used:   # the tokenizer must keep <|image_pad|> one token

@@ -1,13 +1,14 @@
-"""Qwen-Image Edit Plus's condition images on the host, as QwenImageEditPlusPipeline sizes and reads them.
+"""Qwen-Image Edit's condition images on the host, as QwenImageEditPlusPipeline (Edit Plus: 2509, 2511) and
+QwenImageEditPipeline (Edit, "v1") size and read them.
 
-Each condition image is used twice, each copy resized from the original at the original's aspect
-(calculate_dimensions: about an area, sides multiples of 32): the VAE side at 1024*1024 pixels (the encoder's
-input; its latent tokens follow the noise in the denoiser's sequence) and the vision side at 384*384 (the
-processor then resizes it again to its patch grid, smart_resize, and the vision tower's features fill the
-prompt's <|image_pad|> tokens). A bundle holds graphs per condition size, VAE side (`--condition-size`); the
-vision grid is the one an image of that size's aspect gets, so an image whose vision grid differs (aspects that
-round to one VAE size but not to one vision size) is refused like one of an unbuilt size, unless the request
-asks for the nearest built size.
+Each condition image is used twice. The VAE side: resized
+from the original at its aspect (calculate_dimensions: about an area, sides multiples of 32) to 1024*1024 pixels,
+the encoder's input, whose latent tokens follow the noise in the denoiser's sequence. The vision side, which the
+processor resizes again to its patch grid (smart_resize) and whose vision-tower features fill the prompt's
+<|image_pad|> tokens: Edit Plus resizes the original to 384*384 pixels at its aspect; Edit hands the processor its
+VAE-side image. A bundle holds graphs per condition size, VAE side (`--condition-size`); the vision grid is the one
+an image of that size's aspect gets, so an image whose vision grid differs (aspects that round to one VAE size but
+not to one vision size) is refused like one of an unbuilt size, unless the request asks for the nearest built size.
 
 Host code only (no nn.Module): the runtime imports it with the family's host program.
 """
@@ -52,9 +53,12 @@ def grid_of(size: tuple[int, int], proc: dict) -> tuple[int, int]:
     return vision_grid(*size, proc["patch_size"], proc["merge_size"], proc["min_pixels"], proc["max_pixels"])
 
 
-def built_grid(condition_size: tuple[int, int], proc: dict) -> tuple[int, int]:
+PLUS, V1 = "plus", "v1"   # the two Edit pipelines' ways (the manifest's conditions.edit)
+
+
+def built_grid(condition_size: tuple[int, int], proc: dict, edit: str = PLUS) -> tuple[int, int]:
     """The vision grid a condition size's graphs are built for: that of an image of the size's own aspect."""
-    return grid_of(vision_side(*condition_size), proc)
+    return grid_of(condition_size if edit == V1 else vision_side(*condition_size), proc)
 
 
 def vision_tokens(grid: tuple[int, int], merge: int) -> int:
@@ -65,11 +69,11 @@ def latent_tokens(size: tuple[int, int]) -> int:
     return (size[0] // LATENT_PATCH) * (size[1] // LATENT_PATCH)
 
 
-def slots(sizes, images: int, proc: dict) -> tuple[int, int]:
+def slots(sizes, images: int, proc: dict, edit: str = PLUS) -> tuple[int, int]:
     """(vision-token slots, condition latent tokens): the capacity of `images` images of the largest size."""
     if not sizes:
         return 0, 0
-    return (images * max(vision_tokens(built_grid(s, proc), proc["merge_size"]) for s in sizes),
+    return (images * max(vision_tokens(built_grid(s, proc, edit), proc["merge_size"]) for s in sizes),
             images * max(latent_tokens(s) for s in sizes))
 
 
@@ -90,16 +94,17 @@ def size_images(images: list[Image.Image], conditions: dict, nearest: bool = Fal
     the built sizes, unless `nearest` asks for the built size nearest its aspect (then area); a note per image
     fitted so."""
     built = {tuple(s): tuple(g) for s, g in zip(conditions["sizes"], conditions["grids"])}
-    proc = conditions["processor"]
+    proc, v1 = conditions["processor"], conditions.get("edit") == V1
     out, fitted = [], []
     for i, img in enumerate(images):
-        vae, vision = vae_side(img.height, img.width), vision_side(img.height, img.width)
+        vae = vae_side(img.height, img.width)
+        vision = vae if v1 else vision_side(img.height, img.width)
         grid = grid_of(vision, proc)
         if (vae not in built or built[vae] != grid) and nearest:
             h, w = vae
             near = min(built, key=lambda s: (abs(math.log((s[1] / s[0]) / (w / h))), abs(s[0] * s[1] - h * w)))
             fitted.append(f"image {i + 1}: {h}x{w} -> {near[0]}x{near[1]}")
-            vae, vision = near, vision_side(*near)
+            vae, vision = near, near if v1 else vision_side(*near)
             grid = built[near]
         if vae not in built:
             raise ConfigError(
@@ -135,7 +140,8 @@ def vae_pixels(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
 
 
 def vision_input(image: Image.Image, sized: Sized, proc: dict) -> torch.Tensor:
-    """The vision graph's input: the pipeline's Lanczos resize to the vision side (VaeImageProcessor.resize),
+    """The vision graph's input: the pipeline's Lanczos resize to the vision side (VaeImageProcessor.resize; Edit's
+    is its VAE side),
     then the processor's (bicubic to the grid, rescale, normalise), [3, gh * p, gw * p] float32."""
     h, w = sized.vision
     resized = rgb(image).resize((w, h), Image.Resampling.LANCZOS)
