@@ -103,6 +103,9 @@ class Component:
     # It encodes condition (reference) images (a vision tower, a VAE encoder): a build holds it only when it names
     # condition sizes (BuildSpec.condition_sizes), one graph per size.
     conditions: bool = False
+    # A condition component a build without condition sizes may still name in its components (it then makes graphs
+    # of its own kind: Qwen-Image's VAE encoder for img2img at the output resolutions); never in the default list.
+    opt_in: bool = False
     neuron_model_type: str = "generic"   # neuronx-cc --model-type (qic.backends.neuron.cc)
 
     @property

@@ -276,7 +276,7 @@ def _components(raw: Mapping, fam, conditions: bool, at) -> list[str]:
     components = _str_list(raw.get("components", default), "components", source)
     for c in components:
         _choice(c, tuple(defs), "components", source)
-        if defs[c].conditions and not conditions:
+        if defs[c].conditions and not conditions and not defs[c].opt_in:
             raise ConfigError(f"{source}: component {c} encodes condition images, but the build names no "
                               "condition_sizes", "add --condition-size HxW, or leave it out of components")
     return components

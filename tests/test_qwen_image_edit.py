@@ -242,7 +242,8 @@ def test_edit_build_flags_refused_in_one_line(edit_ckpt, tmp_path, args, message
 def test_served_edit_is_the_png_qic_run_writes(edit_export, tmp_path):
     """POST /v1/images/edits through the openai client's images.edit (two images: image[]), qic's fields in
     extra_body: the PNG `qic run` writes for the same settings, byte for byte. An image that is no picture, a mask
-    (inpainting, not served yet) and a generation without images: 400 naming what is wrong."""
+    (inpainting, not served yet), a generation without images and a field the edit program does not take (img2img's
+    strength): 400 naming what is wrong."""
     from openai import BadRequestError, OpenAI
 
     from tests.test_serve import ServeProcess
@@ -266,6 +267,8 @@ def test_served_edit_is_the_png_qic_run_writes(edit_export, tmp_path):
                 client.images.edit(**files, prompt=PROMPT)
         with pytest.raises(BadRequestError, match="needs a condition image"):
             client.images.generate(prompt=PROMPT, size="{1}x{0}".format(*OUTPUT))
+        with pytest.raises(BadRequestError, match="strength: this model's runs take no such option"):   # img2img's
+            client.images.edit(image=open(paths[0], "rb"), prompt=PROMPT, extra_body={"strength": 0.5})
     finally:
         srv.close()
     out = tmp_path / "run.png"
@@ -275,15 +278,18 @@ def test_served_edit_is_the_png_qic_run_writes(edit_export, tmp_path):
     assert served == out.read_bytes()
 
 
-def test_edits_on_a_text_to_image_program_are_refused():
-    """A bundle whose program reads no images answers /v1/images/edits 400, naming the generations route."""
+def test_edits_on_a_bundle_that_reads_no_image_are_refused(bundle_two_res, tmp_path):
+    """A text-to-image bundle built without the VAE encoder answers /v1/images/edits 400 naming what it lacks."""
     from openai import BadRequestError, OpenAI
 
-    from tests.test_serve import FakeRunner, ThreadServer
-    with ThreadServer(FakeRunner()) as srv:
+    from tests.test_serve import ServeProcess
+    srv = ServeProcess(bundle_two_res[0], tmp_path / "serve.log")
+    try:
         client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
-        with pytest.raises(BadRequestError, match="edits no images"):
+        with pytest.raises(BadRequestError, match="needs the VAE encoder"):
             client.images.edit(image=_png_bytes(_picture(32, 32, 0)), prompt=PROMPT)
+    finally:
+        srv.close()
 
 
 def _png_bytes(img: Image.Image) -> tuple[str, bytes, str]:

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from qic.errors import ConfigError
@@ -68,3 +70,21 @@ def open_image(path: Path) -> Image.Image:
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise ConfigError(f"{path}: not a readable image ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
             from None
+
+
+def rgb(image: Image.Image) -> Image.Image:
+    """RGB as transformers' processor makes it: RGBA (and other modes with alpha) composited over white."""
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    white.alpha_composite(rgba)
+    return white.convert("RGB")
+
+
+def vae_pixels(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
+    """A Qwen-Image VAE encoder's input, [1, 3, H, W] float32 in [-1, 1]: Lanczos resize to `size` (height, width),
+    as the pipelines' VaeImageProcessor.preprocess does (the edit pipelines' condition images, img2img's image)."""
+    h, w = size
+    x = np.asarray(rgb(image).resize((w, h), Image.Resampling.LANCZOS)).astype(np.float32) / 255.0
+    return torch.from_numpy(x.transpose(2, 0, 1)[None].copy()) * 2.0 - 1.0

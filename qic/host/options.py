@@ -117,6 +117,10 @@ OPTIONS: tuple[RunOption, ...] = (
     RunOption("nearest_condition_size", bool, "A condition image whose size the bundle was not built for is resized "
               "to the built condition size nearest its aspect instead of refused (the PNG's text records the sizes "
               "used).", where=NOT_HTTP, opt_in=True),
+    # img2img (a Qwen-Image bundle built with the vae_encoder component): how far from the image --image gives.
+    RunOption("strength", float, "img2img: how much of the image to redraw, 0 < strength <= 1 (the pipeline's "
+              "default 0.6; 1: the image's only trace is its seed's noise); the run takes strength x steps steps.",
+              minimum=0, where=NOT_HTTP, opt_in=True, bundle_default=True),
     RunOption("output_resolution", int, "Qwen-Image-2.1: condition images are resized to about its square in "
               "pixels at their aspect, and the output size follows the last one (default: the bundle's, else 1024).",
               minimum=32, where=NOT_HTTP, opt_in=True, bundle_default=True),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -15,16 +16,18 @@ from PIL import Image
 from qic.errors import ConfigError
 from qic.host.aspect import pick_resolution
 from qic.host.cache_policy import CacheSettings, settings_from
-from qic.host.latents import initial_noise
+from qic.host.condition_images import open_image, vae_pixels
+from qic.host.latents import initial_noise, pack
 from qic.host.options import CACHE_FIELDS, REQUEST_OPTIONS, request_class
 from qic.host.prompt import pick_bucket
-from qic.host.schedule import flow_match_schedule
+from qic.host.schedule import Schedule, flow_match_schedule
 from qic.parallel.mesh import gather_objects, group_done, share_from, wait_for_group
 from qic.runtime.loop import denoise_loop, record_steps
 from qic.runtime.protocol import Runnable
 from qic.runtime.step_cache import cached_step
 
 DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
+DEFAULT_STRENGTH = 0.6   # QwenImageImg2ImgPipeline's
 
 
 # What one image asks for: qic.host.options' rows (prompt, negative_prompt, steps, guidance, seed, height, width,
@@ -32,7 +35,8 @@ DEFAULT_STEPS, DEFAULT_GUIDANCE = 20, 4.0
 Request = request_class("Request", __name__, [
     ("cache", CacheSettings | None, field(default=None, init=False, repr=False)),   # step caching, resolved
 ], "One image's run options (qic.host.options: a row each; None: not given, then the bundle's run default, "
-   "else the runtime's). Everything after the prompt is keyword-only.")
+   "else the runtime's). Everything after the prompt is keyword-only.",
+    only=tuple(o.name for o in REQUEST_OPTIONS if not o.opt_in) + ("image", "strength"))
 
 
 @dataclass
@@ -57,7 +61,8 @@ def validate(req: Request, bundle: Runnable) -> Request:
         req.guidance = defaults.get("guidance", DEFAULT_GUIDANCE)
     for option in REQUEST_OPTIONS:   # 4 and 4.0 are one guidance (and write one PNG): float options give floats
         # step caching's: settings_from below, the bundle's defaults included; rows of other programs (opt_in) absent
-        if option.name not in CACHE_FIELDS and option.name in Request.__dataclass_fields__:
+        # the image: file paths or decoded images (qic serve's uploads), _check_img2img's to read
+        if option.name not in (*CACHE_FIELDS, "image") and option.name in Request.__dataclass_fields__:
             setattr(req, option.name, option.check(getattr(req, option.name)))
     if req.aspect is not None:
         if req.height is not None or req.width is not None:
@@ -80,7 +85,50 @@ def validate(req: Request, bundle: Runnable) -> Request:
     if req.cache.steps is not None and req.cache.steps[-1] >= req.steps:
         raise ConfigError(f"cache_steps names step {req.cache.steps[-1]}, but the run has {req.steps} steps "
                           f"(0..{req.steps - 1})")
+    if req.image is not None or req.strength is not None:
+        _check_img2img(req, bundle)
     return req
+
+
+def _check_img2img(req: Request, bundle: Runnable) -> None:
+    """img2img's request: one image (decoded now: a bad file is one line naming it) on a bundle with the VAE
+    encoder's sample graphs, a strength in (0, 1] (which always leaves a step: strength_start truncates)."""
+    if not bundle.manifest.get("img2img"):
+        raise ConfigError("img2img (--image on a text-to-image bundle) needs the VAE encoder's graphs, which this "
+                          "bundle lacks", "rebuild with --components text_encoder,denoiser,vae_decoder,vae_encoder")
+    if req.image is None:
+        raise ConfigError("strength is img2img's: give the image to start from (--image)")
+    images = [req.image] if isinstance(req.image, (str, Path, Image.Image)) else list(req.image)
+    if len(images) != 1:
+        raise ConfigError(f"img2img starts from one image; {len(images)} given")
+    req.image = [images[0] if isinstance(images[0], Image.Image) else open_image(Path(images[0]))]
+    if req.strength is None:
+        req.strength = bundle.defaults.get("strength", DEFAULT_STRENGTH)
+    if not 0 < req.strength <= 1:
+        raise ConfigError(f"strength must be in (0, 1], got {req.strength}")
+    if req.cache.active:
+        raise ConfigError("step caching with img2img: not yet", "drop the cache options")
+
+
+def strength_start(steps: int, strength: float) -> int:
+    """The first step img2img runs (the pipeline's get_timesteps: the last strength x steps steps)."""
+    return int(max(steps - min(steps * strength, steps), 0))
+
+
+def img2img_start(bundle: Runnable, req: Request, schedule: Schedule) -> tuple[torch.Tensor, Schedule]:
+    """(the first latents, the schedule from the first step run), as QwenImageImg2ImgPipeline draws them for the
+    request's seed: the VAE posterior's noise, then the latents' noise, from one CPU generator; the image's sample
+    (the encoder's sample graph) noised to the first step's sigma (the scheduler's scale_noise)."""
+    lat = bundle.latents
+    z, sf = lat["z_dim"], lat["vae_scale_factor"]
+    h, w = req.height, req.width
+    gen = torch.Generator("cpu").manual_seed(req.seed)
+    posterior = torch.randn((1, z, 1, h // sf, w // sf), generator=gen, dtype=torch.float32)[:, :, 0]
+    noise = pack(torch.randn((1, 1, z, h // sf, w // sf), generator=gen, dtype=torch.float32)[:, 0])
+    (image,) = bundle.graph("vae_encoder", (h, w), part="sample")(vae_pixels(req.image[0], (h, w)), posterior)
+    start = strength_start(req.steps, req.strength)
+    sigma = schedule.sigmas[start]
+    return sigma * noise + (1.0 - sigma) * image, Schedule(schedule.sigmas[start:], schedule.timesteps[start:])
 
 
 def generate(bundle: Runnable, req: Request) -> Result:
@@ -154,6 +202,8 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     sf = lat["vae_scale_factor"]
     noise = torch.cat([initial_noise(r.seed, lat["z_dim"], r.height, r.width, sf) for r in reqs], 0)
     schedule = flow_match_schedule(bundle.scheduler, first.steps, noise.shape[1])
+    if first.image is not None:   # img2img: a batch of one (batch_key), from the image at its strength
+        noise, schedule = img2img_start(bundle, first, schedule)
     scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
     guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
     lo, hi = bounds[bundle.coords["cfg"]] if share else bounds[0]
@@ -218,8 +268,10 @@ def both_halves(bundle, noise, x, rows_state, bounds, cached: bool):
 
 
 def batch_key(req: Request, plan: TextPlan) -> tuple:
-    """Requests with equal keys run the same graphs with the same scalars, so they can share a batch."""
-    return (req.height, req.width, plan.bucket, req.steps, plan.cfg, req.cache)
+    """Requests with equal keys run the same graphs with the same scalars, so they can share a batch (img2img
+    requests run alone)."""
+    alone = ("img2img", id(req)) if req.image is not None else ()
+    return (req.height, req.width, plan.bucket, req.steps, plan.cfg, req.cache, *alone)
 
 
 @dataclass

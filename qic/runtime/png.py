@@ -22,6 +22,8 @@ def png_bytes(result, bundle_id: str, weights_id: str | None = None) -> bytes:
     info = PngInfo()
     # The settings the host program's request has (a family's Request may lack some; text-to-image has all).
     given = {k: getattr(req, k) for k in ("prompt", "negative_prompt", "seed", "steps", "guidance") if hasattr(req, k)}
+    if getattr(req, "strength", None) is not None:   # img2img: how far from its image
+        given["strength"] = req.strength
     given["bundle"] = bundle_id
     if hasattr(req, "height"):
         given["resolution"] = f"{req.height}x{req.width}"

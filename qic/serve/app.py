@@ -61,9 +61,11 @@ _REQUEST_FIELDS = tuple(o.name for o in given_at(HTTP) if o.request)
 class EditRequest(ImageRequest):
     """POST /v1/images/edits' fields other than its files: a multipart form's values are strings, so they convert
     as their types say ("3" is a number here), with the same ranges. nearest_condition_size: a condition image
-    whose size the bundle was not built for is resized to the nearest built size instead of refused."""
+    whose size the bundle was not built for is resized to the nearest built size instead of refused (edit
+    bundles); strength: img2img's (a text-to-image bundle built with the VAE encoder)."""
     model_config = ConfigDict(extra="forbid", strict=False)
     nearest_condition_size: bool | None = None
+    strength: float | None = Field(None, gt=0, le=1)
 
 
 EDIT_FILES = ("image", "image[]", "mask")   # the OpenAI client sends one image as image, several as image[]
@@ -151,13 +153,14 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI
     @app.post("/v1/images/edits")
     async def edits(request: Request):
         """The OpenAI images API's edits: a multipart form with the image(s) (`image`, or `image[]` for several, in
-        prompt order), the prompt and the generation fields; an edit bundle's program reads the images."""
+        prompt order), the prompt and the generation fields; an edit bundle's program reads the images as
+        conditions, a text-to-image bundle built with the VAE encoder starts from the one image (img2img)."""
         body, images = await _edit_form(await request.form())
         if "image" not in runner.program.Request.__dataclass_fields__:
             raise ApiError(400, f"this model edits no images (its host program is {runner.program.__name__}); "
                                 "POST /v1/images/generations", "image")
         request.state.log["images"] = len(images)
-        extra = {"image": images, "nearest_condition_size": body.nearest_condition_size}
+        extra = {"image": images, "nearest_condition_size": body.nearest_condition_size, "strength": body.strength}
         return await _serve(body, _plan(runner, settings, body, extra), request)
 
     async def _serve(body, items, request: Request):
@@ -294,7 +297,12 @@ def _plan(runner, settings: Settings, body: ImageRequest, extra: dict | None = N
         raise ApiError(400, f"{refused[0]}: this model's runs take no such option (its host program is "
                             f"{runner.program.__name__})", refused[0])
     fields = {k: getattr(body, k) for k in _REQUEST_FIELDS if k in request.__dataclass_fields__}
-    fields |= {k: v for k, v in (extra or {}).items() if v is not None and k in request.__dataclass_fields__}
+    given_extra = {k: v for k, v in (extra or {}).items() if v is not None}
+    for k in given_extra:
+        if k not in request.__dataclass_fields__:
+            raise ApiError(400, f"{k}: this model's runs take no such option (its host program is "
+                                f"{runner.program.__name__})", k)
+    fields |= given_extra
     items = []
     for i in range(body.n):
         req = request(**fields | dict(seed=body.seed + i, height=height, width=width))

@@ -29,6 +29,7 @@ from qic.host.schedule import check_scheduler_config
 from qic.host.vl_processor import QWEN2_5_VL, image_processor_settings
 from qic.models.qwen_image.graphs import (
     IMAGES,
+    SAMPLE,
     denoiser_graph,
     denoiser_images_graph,
     step_part_graph,
@@ -137,8 +138,16 @@ def _vision_graph(module, configs, shape, dtype, layout):
                         dtype)
 
 
+def _vae_encoder_shapes(spec) -> list[dict]:
+    """An edit build's condition sizes; else (the component named in a text-to-image build) img2img's and
+    inpaint's sample form at each output resolution."""
+    if spec.condition_sizes:
+        return _condition_shapes(spec)
+    return [{"resolution": [h, w], "part": SAMPLE} for h, w in spec.resolutions]
+
+
 def _vae_encoder_graph(module, configs, shape, dtype, layout):
-    return vae_encoder_graph(module, *shape["resolution"])
+    return vae_encoder_graph(module, *shape["resolution"], sample=shape.get("part") == SAMPLE)
 
 
 def _denoiser_graph(module, configs, shape, dtype, layout):
@@ -222,10 +231,11 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
     Component("vision", "text_encoder", VisionConfig.from_dict, _vision_module, vision_state_dict,
               (f"{_HERE}.vision", *_SHARED), _condition_shapes, _vision_graph, config_deps=("text_encoder",),
               neuron_model_type="transformer", conditions=True),
+    # Named in a text-to-image build's components (opt_in), the VAE encoder serves img2img and inpaint instead.
     Component("vae_encoder", "vae", VAEConfig.from_dict, _vae_encoder_module, vae_encoder_state_dict,
-              (f"{_HERE}.vae_encoder", f"{_HERE}.vae_decoder", "qic.models.common"), _condition_shapes,
+              (f"{_HERE}.vae_encoder", f"{_HERE}.vae_decoder", "qic.models.common"), _vae_encoder_shapes,
               _vae_encoder_graph, config_deps=("vae",), fixed_dtype="float32", neuron_model_type="unet-inference",
-              conditions=True),
+              conditions=True, opt_in=True),
 )}
 
 
@@ -343,6 +353,8 @@ def manifest_fields(spec, ctx) -> dict:
         # Step caching's split graphs are in: blocks always computed first and last
         # (qic/models/qwen_image/step_cache.py)
         "step_cache": dict(zip(("first", "last"), spec.step_cache)) if spec.step_cache else None,
+        # img2img and inpaint: the VAE encoder's sample form at every resolution (qic.runtime.generate)
+        "img2img": "vae_encoder" in spec.components and not spec.condition_sizes,
         "latents": {"z_dim": vae.z_dim, "vae_scale_factor": vae.scale_factor, "channels": den.in_channels,
                     "latents_mean": list(vae.latents_mean), "latents_std": list(vae.latents_std)},
     } | edit

@@ -11,6 +11,8 @@ Editing (a build with condition sizes, `--condition-size HxW`: the Edit Plus mod
   pipeline gives an image of that aspect (qic.models.qwen_image.host.conditions.vision_grid_of)
                                                             -> image_embeds [gh*gw/merge^2, hidden]
 - vae_encoder@HxW:       pixels [1, 3, H, W] in [-1, 1]    -> condition latents [1, (H/16)(W/16), C], normalised
+  (and, img2img / inpaint at each output resolution, vae_encoder@HxW@sample: pixels and noise [1, z, H/8, W/8]
+  -> a posterior sample, normalised and packed)
 - text_encoder@L@images: input_ids, attention_mask [1, L + slots], mRoPE position_ids [3, L + slots],
                          image_embeds [slots, hidden]       -> hidden [1, L + slots, D]
 - denoiser@HxW@L@images: the step with the text rows [2, T, J] (T = L + slots - 64, the edit template's drop),
@@ -268,13 +270,22 @@ def vision_graph(module, height: int, width: int, grid: tuple[int, int], dtype: 
                     weight_prefix="model.")
 
 
-def vae_encoder_graph(weights_module, height: int, width: int) -> GraphDef:
-    # One module per condition size, sharing the bound weights (as the decoder's per resolution).
+SAMPLE = "sample"   # img2img's VAE encoder form: vae_encoder@HxW@sample
+
+
+def vae_encoder_graph(weights_module, height: int, width: int, sample: bool = False) -> GraphDef:
+    """vae_encoder@HxW: the posterior's mode (condition images); @sample: a posterior sample given its standard
+    normal noise [1, z, H/sf, W/sf] (img2img and inpaint at an output size). One module per size, sharing the bound
+    weights (as the decoder's per resolution)."""
     module = QwenVAEEncoder(weights_module.config, height, width)
     module.load_state_dict(weights_module.state_dict(), strict=True, assign=True)
-    pixels = torch.zeros(1, 3, height, width)
-    return GraphDef(graph_name("vae_encoder", (height, width)), "vae_encoder", module, [("pixels", pixels)],
-                    ["latents"], shape={"resolution": [height, width]})
+    inputs = [("pixels", torch.zeros(1, 3, height, width))]
+    if sample:
+        sf = module.config.scale_factor
+        inputs.append(("noise", torch.zeros(1, module.config.z_dim, height // sf, width // sf)))
+    return GraphDef(graph_name("vae_encoder", (height, width), part=SAMPLE if sample else None), "vae_encoder",
+                    module, inputs, ["latents"],
+                    shape={"resolution": [height, width]} | ({"part": SAMPLE} if sample else {}))
 
 
 def text_encoder_graph(module, bucket: int, batch: int = 1) -> GraphDef:

@@ -9,9 +9,9 @@ column at the bottom and right, then a stride-2 3x3 convolution.
 
 Output as the Edit pipelines read it: the posterior's mode (`sample_mode="argmax"`: the first z_dim channels of
 quant_conv's output, the log-variance never used), normalised `(mu - mean) / std` with the config's statistics,
-then packed 2x2 into tokens as `_pack_latents` does. (img2img and inpaint draw a posterior sample instead,
-`retrieve_latents`' default: they will need the log-variance half too.) The module is built for one static image
-size.
+then packed 2x2 into tokens as `_pack_latents` does. img2img and inpaint draw a posterior sample instead
+(`retrieve_latents`' default): given the standard normal noise, the module samples with the log-variance half. The
+module is built for one static image size.
 
 attn_scales: diffusers' encoder calls each down block with its feature cache, which its attention block does not
 take, so a config with attention in the down blocks cannot run there; qic refuses it rather than run arithmetic no
@@ -94,12 +94,19 @@ class QwenVAEEncoder(nn.Module):
         self.encoder = Encoder2d(config)
         self.quant_conv = nn.Conv2d(2 * config.z_dim, 2 * config.z_dim, 1)
 
-    def encode(self, image: torch.Tensor) -> torch.Tensor:
-        mean = self.quant_conv(self.encoder(image.float()))[:, :self.config.z_dim]
-        return (mean - self.latents_mean) / self.latents_std
+    def encode(self, image: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """noise None: the posterior's mode (the edit pipelines'); else a sample of it with that standard normal
+        noise [B, z, H/sf, W/sf] (img2img's and inpaint's retrieve_latents: mean + exp(logvar / 2) * noise, the
+        log-variance clamped to [-30, 20] as diffusers' DiagonalGaussianDistribution)."""
+        moments = self.quant_conv(self.encoder(image.float()))
+        z = self.config.z_dim
+        latents = moments[:, :z]
+        if noise is not None:
+            latents = latents + torch.exp(0.5 * moments[:, z:].clamp(-30.0, 20.0)) * noise
+        return (latents - self.latents_mean) / self.latents_std
 
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        return pack(self.encode(image))
+    def forward(self, image: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        return pack(self.encode(image, noise))
 
 
 def vae_encoder_state_dict(mapping: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

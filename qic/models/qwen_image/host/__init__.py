@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from qic.errors import ConfigError
-from qic.host.condition_images import ConditionedResult, calculate_dimensions
+from qic.host.condition_images import ConditionedResult, calculate_dimensions, vae_pixels
 from qic.host.image_tokens import IMAGE_PAD, expand_image_pads, mrope_positions
 from qic.host.latents import initial_noise
 from qic.host.options import request_class
@@ -41,7 +41,6 @@ from qic.models.qwen_image.host.conditions import (
     Sized,
     read_images,
     size_images,
-    vae_pixels,
     vision_input,
     vision_tokens,
 )

@@ -19,12 +19,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
 from qic.errors import ConfigError
-from qic.host.condition_images import calculate_dimensions, open_image, vision_grid
+from qic.host.condition_images import calculate_dimensions, open_image, rgb, vision_grid
 from qic.host.vl_processor import vision_pixels
 
 VAE_AREA = 1024 * 1024      # the pipeline's VAE_IMAGE_SIZE
@@ -120,23 +119,6 @@ def size_images(images: list[Image.Image], conditions: dict, nearest: bool = Fal
                 "--nearest-condition-size")
         out.append(Sized(vae, vision, grid))
     return out, fitted
-
-
-def rgb(image: Image.Image) -> Image.Image:
-    """RGB as transformers' processor makes it: RGBA (and other modes with alpha) composited over white."""
-    if image.mode == "RGB":
-        return image
-    rgba = image.convert("RGBA")
-    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-    white.alpha_composite(rgba)
-    return white.convert("RGB")
-
-
-def vae_pixels(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
-    """The VAE encoder's input, [1, 3, H, W] float32 in [-1, 1]: Lanczos resize, as VaeImageProcessor.preprocess."""
-    h, w = size
-    x = np.asarray(rgb(image).resize((w, h), Image.Resampling.LANCZOS)).astype(np.float32) / 255.0
-    return torch.from_numpy(x.transpose(2, 0, 1)[None].copy()) * 2.0 - 1.0
 
 
 def vision_input(image: Image.Image, sized: Sized, proc: dict) -> torch.Tensor:
