@@ -1,9 +1,10 @@
-"""Issue 31: img2img on the base model (diffusers' QwenImageImg2ImgPipeline): a text-to-image build that names the
+"""Issue 31: img2img and inpaint on the base model (diffusers' QwenImageImg2ImgPipeline, QwenImageInpaintPipeline): a
+text-to-image build that names the
 vae_encoder component holds the VAE encoder's sample form at each output resolution (vae_encoder@HxW@sample: a
 posterior sample given its standard normal noise), and `qic run BUNDLE --image A.png --strength S` starts from the
 image as the pipeline does: the posterior's noise, then the latents' noise, drawn from one generator of the seed; the
-image's latents noised to the first step run's sigma; the last strength x steps steps. `qic serve` takes it through
-POST /v1/images/edits.
+image's latents noised to the first step run's sigma; the last strength x steps steps; with `--mask M.png` (white
+repaints) each step keeps the image where the mask is black. `qic serve` takes both through POST /v1/images/edits.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def _picture(seed: int = 3) -> Image.Image:
     return Image.fromarray(np.clip(rgb + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8), "RGB")
 
 
+def _mask(h: int = 60, w: int = 100) -> Image.Image:
+    """White (repaint) over a box off-centre, black (keep) elsewhere; RGB, as masks are often saved."""
+    m = np.zeros((h, w), np.uint8)
+    m[10:40, 20:70] = 255
+    return Image.fromarray(m).convert("RGB")
+
+
 def _build_i2i(shared_dir, cache_dir, ckpt, name, *args):
     return _build(shared_dir, name, "--model", ckpt, "--cache-dir", cache_dir, "--resolution",
                   "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)), "--components",
@@ -56,6 +64,15 @@ def _reference(pipe, image, strength):
     return pipe(PROMPT, image=image, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE, strength=strength,
                 num_inference_steps=STEPS, height=TINY_RES[0], width=TINY_RES[1],
                 generator=torch.Generator().manual_seed(SEED)).images[0]
+
+
+def _inpaint_reference(pipe_tiny, image, mask, strength=0.6):
+    from diffusers import QwenImageInpaintPipeline
+    p = QwenImageInpaintPipeline(**pipe_tiny.components)
+    p.set_progress_bar_config(disable=True)
+    return p(PROMPT, image=image, mask_image=mask, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE, strength=strength,
+             num_inference_steps=STEPS, height=TINY_RES[0], width=TINY_RES[1],
+             generator=torch.Generator().manual_seed(SEED)).images[0]
 
 
 def _ours(bundle, image, strength, **kw):
@@ -103,17 +120,43 @@ def test_broken_variants_leave_the_bound(i2i_export, pipe, monkeypatch):
     real_start = program.img2img_start
 
     def first_sigma(bundle, req, schedule):
-        x, rest = real_start(bundle, req, schedule)
-        return x, Schedule(schedule.sigmas, schedule.timesteps)   # every step, from sigma 1
+        start = real_start(bundle, req, schedule)
+        start.schedule = Schedule(schedule.sigmas, schedule.timesteps)   # every step, from sigma 1
+        return start
     monkeypatch.setattr(program, "img2img_start", first_sigma)
     assert not _within(_ours(b, image, 0.6), ref)
+
+
+def test_inpaint_draws_the_pipelines_image(i2i_export, pipe, monkeypatch):
+    """Inpaint vs QwenImageInpaintPipeline; the bound can fail: img2img (no mask), the mask inverted, the image
+    blended back only after the last step (not at every step)."""
+    from PIL import ImageOps
+
+    from qic.runtime import generate as program
+    from qic.runtime.bundle import Bundle
+    image, mask = _picture(), _mask()
+    ref = _inpaint_reference(pipe, image, mask)
+    b = Bundle(i2i_export)
+    assert _within(_ours(b, image, 0.6, mask=mask), ref)
+    assert not _within(_ours(b, image, 0.6), ref)
+    assert not _within(_ours(b, image, 0.6, mask=ImageOps.invert(mask)), ref)
+    real_start = program.img2img_start
+
+    def only_at_the_end(*args):
+        start = real_start(*args)
+        blend = start.blend
+        start.blend = lambda i, x, sigma_next: blend(i, x, sigma_next) if sigma_next == 0 else x
+        return start
+    monkeypatch.setattr(program, "img2img_start", only_at_the_end)
+    assert not _within(_ours(b, image, 0.6, mask=mask), ref)
 
 
 def test_compiled_img2img_through_the_cli_and_serve(shared_dir, cache_dir, tiny_ckpt, bundle_two_res, pipe, tmp_path):
     """The inductor bundle (its one new graph the VAE encoder's sample form; the rest are the session bundle's) as a
     user runs it: `qic run --image A.png --strength 0.6`, the PNG recording the strength; `qic serve`'s
-    /v1/images/edits through the openai client gives the same PNG. Refused in one line each: an image on a bundle
-    without the VAE encoder, a strength without an image, a strength above 1, two images."""
+    /v1/images/edits through the openai client gives the same PNG; `--mask M.png` inpaints as the pipeline. Refused
+    in one line each: an image on a bundle without the VAE encoder, a strength or a mask without an image, a
+    strength above 1, two images, a mask of another size."""
     from openai import OpenAI
 
     from tests.test_serve import ServeProcess
@@ -136,11 +179,18 @@ def test_compiled_img2img_through_the_cli_and_serve(shared_dir, cache_dir, tiny_
     finally:
         srv.close()
     assert base64.b64decode(resp.data[0].b64_json) == out.read_bytes()
+    _mask().save(tmp_path / "mask.png")
+    qic(*common, "--image", tmp_path / "in.png", "--mask", tmp_path / "mask.png", "--output", tmp_path / "inpaint.png")
+    assert _within(Image.open(tmp_path / "inpaint.png"), _inpaint_reference(pipe, image, _mask()))
+    _mask(30, 50).save(tmp_path / "small-mask.png")
     no_encoder = ["run", bundle_two_res[0], *common[2:], "--image", tmp_path / "in.png"]
     for args, message in [(no_encoder, "needs the VAE encoder"),
                           ([*common, "--strength", 0.5], "give the image to start from"),
                           ([*common, "--image", tmp_path / "in.png", "--strength", 1.5], "strength must be in (0, 1]"),
-                          ([*common, "--image", tmp_path / "in.png", "--image", tmp_path / "in.png"], "one image")]:
+                          ([*common, "--image", tmp_path / "in.png", "--image", tmp_path / "in.png"], "one image"),
+                          ([*common, "--image", tmp_path / "in.png", "--mask", tmp_path / "small-mask.png"],
+                           "a mask of the image's size"),
+                          ([*common, "--mask", tmp_path / "mask.png"], "give the image to start from")]:
         bad = tmp_path / "bad.png"
         r = qic(*args, "--output", bad, check=False)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr

@@ -241,9 +241,9 @@ def test_edit_build_flags_refused_in_one_line(edit_ckpt, tmp_path, args, message
 
 def test_served_edit_is_the_png_qic_run_writes(edit_export, tmp_path):
     """POST /v1/images/edits through the openai client's images.edit (two images: image[]), qic's fields in
-    extra_body: the PNG `qic run` writes for the same settings, byte for byte. An image that is no picture, a mask
-    (inpainting, not served yet), a generation without images and a field the edit program does not take (img2img's
-    strength): 400 naming what is wrong."""
+    extra_body: the PNG `qic run` writes for the same settings, byte for byte. An image that is no picture, a
+    generation without images and what the edit program does not take (inpaint's mask, img2img's strength): 400
+    naming what is wrong."""
     from openai import BadRequestError, OpenAI
 
     from tests.test_serve import ServeProcess
@@ -262,7 +262,8 @@ def test_served_edit_is_the_png_qic_run_writes(edit_export, tmp_path):
         served = base64.b64decode(resp.data[0].b64_json)
         (tmp_path / "junk.png").write_bytes(b"not a picture")
         for files, message in [({"image": open(tmp_path / "junk.png", "rb")}, "is not a readable image"),
-                               ({"image": open(paths[0], "rb"), "mask": open(paths[1], "rb")}, "inpainting")]:
+                               ({"image": open(paths[0], "rb"), "mask": open(paths[1], "rb")},
+                                "mask: this model's runs take no such option")]:
             with pytest.raises(BadRequestError, match=message):
                 client.images.edit(**files, prompt=PROMPT)
         with pytest.raises(BadRequestError, match="needs a condition image"):

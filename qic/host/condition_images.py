@@ -88,3 +88,11 @@ def vae_pixels(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
     h, w = size
     x = np.asarray(rgb(image).resize((w, h), Image.Resampling.LANCZOS)).astype(np.float32) / 255.0
     return torch.from_numpy(x.transpose(2, 0, 1)[None].copy()) * 2.0 - 1.0
+
+
+def mask_pixels(mask: Image.Image, size: tuple[int, int]) -> torch.Tensor:
+    """An inpaint mask as the pipeline's mask processor reads it, [1, 1, H, W] float32 of 0 and 1 (1: repaint):
+    Lanczos resize to `size` (height, width), then grayscale, scaled to [0, 1] and binarised at 0.5."""
+    h, w = size
+    x = np.asarray(mask.resize((w, h), Image.Resampling.LANCZOS).convert("L")).astype(np.float32) / 255.0
+    return torch.from_numpy((x >= 0.5).astype(np.float32))[None, None]

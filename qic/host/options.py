@@ -121,6 +121,9 @@ OPTIONS: tuple[RunOption, ...] = (
     RunOption("strength", float, "img2img: how much of the image to redraw, 0 < strength <= 1 (the pipeline's "
               "default 0.6; 1: the image's only trace is its seed's noise); the run takes strength x steps steps.",
               minimum=0, where=NOT_HTTP, opt_in=True, bundle_default=True),
+    RunOption("mask", str, "Inpaint (with --image, on a bundle with the VAE encoder): a mask image of the image's "
+              "size, white where to repaint (as diffusers reads masks); the rest keeps the image.", where=NOT_HTTP,
+              opt_in=True, what="an image file path"),
     RunOption("output_resolution", int, "Qwen-Image-2.1: condition images are resized to about its square in "
               "pixels at their aspect, and the output size follows the last one (default: the bundle's, else 1024).",
               minimum=32, where=NOT_HTTP, opt_in=True, bundle_default=True),

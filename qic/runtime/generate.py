@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from qic.errors import ConfigError
 from qic.host.aspect import pick_resolution
 from qic.host.cache_policy import CacheSettings, settings_from
-from qic.host.condition_images import open_image, vae_pixels
+from qic.host.condition_images import mask_pixels, open_image, vae_pixels
 from qic.host.latents import initial_noise, pack
 from qic.host.options import CACHE_FIELDS, REQUEST_OPTIONS, request_class
 from qic.host.prompt import pick_bucket
@@ -36,7 +37,7 @@ Request = request_class("Request", __name__, [
     ("cache", CacheSettings | None, field(default=None, init=False, repr=False)),   # step caching, resolved
 ], "One image's run options (qic.host.options: a row each; None: not given, then the bundle's run default, "
    "else the runtime's). Everything after the prompt is keyword-only.",
-    only=tuple(o.name for o in REQUEST_OPTIONS if not o.opt_in) + ("image", "strength"))
+    only=tuple(o.name for o in REQUEST_OPTIONS if not o.opt_in) + ("image", "strength", "mask"))
 
 
 @dataclass
@@ -61,8 +62,8 @@ def validate(req: Request, bundle: Runnable) -> Request:
         req.guidance = defaults.get("guidance", DEFAULT_GUIDANCE)
     for option in REQUEST_OPTIONS:   # 4 and 4.0 are one guidance (and write one PNG): float options give floats
         # step caching's: settings_from below, the bundle's defaults included; rows of other programs (opt_in) absent
-        # the image: file paths or decoded images (qic serve's uploads), _check_img2img's to read
-        if option.name not in (*CACHE_FIELDS, "image") and option.name in Request.__dataclass_fields__:
+        # the image and the mask: file paths or decoded images (qic serve's uploads), _check_img2img's to read
+        if option.name not in (*CACHE_FIELDS, "image", "mask") and option.name in Request.__dataclass_fields__:
             setattr(req, option.name, option.check(getattr(req, option.name)))
     if req.aspect is not None:
         if req.height is not None or req.width is not None:
@@ -85,7 +86,7 @@ def validate(req: Request, bundle: Runnable) -> Request:
     if req.cache.steps is not None and req.cache.steps[-1] >= req.steps:
         raise ConfigError(f"cache_steps names step {req.cache.steps[-1]}, but the run has {req.steps} steps "
                           f"(0..{req.steps - 1})")
-    if req.image is not None or req.strength is not None:
+    if req.image is not None or req.strength is not None or req.mask is not None:
         _check_img2img(req, bundle)
     return req
 
@@ -97,11 +98,18 @@ def _check_img2img(req: Request, bundle: Runnable) -> None:
         raise ConfigError("img2img (--image on a text-to-image bundle) needs the VAE encoder's graphs, which this "
                           "bundle lacks", "rebuild with --components text_encoder,denoiser,vae_decoder,vae_encoder")
     if req.image is None:
-        raise ConfigError("strength is img2img's: give the image to start from (--image)")
+        raise ConfigError(f"{'mask' if req.mask is not None else 'strength'} is img2img's and inpaint's: give the "
+                          "image to start from (--image)")
     images = [req.image] if isinstance(req.image, (str, Path, Image.Image)) else list(req.image)
     if len(images) != 1:
         raise ConfigError(f"img2img starts from one image; {len(images)} given")
     req.image = [images[0] if isinstance(images[0], Image.Image) else open_image(Path(images[0]))]
+    if req.mask is not None:
+        if not isinstance(req.mask, Image.Image):
+            req.mask = open_image(Path(req.mask))
+        if req.mask.size != req.image[0].size:
+            raise ConfigError(f"the mask is {req.mask.width}x{req.mask.height} pixels, the image "
+                              f"{req.image[0].width}x{req.image[0].height}: inpaint takes a mask of the image's size")
     if req.strength is None:
         req.strength = bundle.defaults.get("strength", DEFAULT_STRENGTH)
     if not 0 < req.strength <= 1:
@@ -115,10 +123,22 @@ def strength_start(steps: int, strength: float) -> int:
     return int(max(steps - min(steps * strength, steps), 0))
 
 
-def img2img_start(bundle: Runnable, req: Request, schedule: Schedule) -> tuple[torch.Tensor, Schedule]:
-    """(the first latents, the schedule from the first step run), as QwenImageImg2ImgPipeline draws them for the
-    request's seed: the VAE posterior's noise, then the latents' noise, from one CPU generator; the image's sample
-    (the encoder's sample graph) noised to the first step's sigma (the scheduler's scale_noise)."""
+@dataclass
+class Start:
+    """Where img2img and inpaint start: the first latents, the schedule from the first step run, and what inpaint
+    blends back each step (the image's latents and the noise; None for img2img)."""
+    latents: torch.Tensor
+    schedule: Schedule
+    blend: object = None   # (i, latents, sigma_next) -> latents
+
+
+def img2img_start(bundle: Runnable, req: Request, schedule: Schedule) -> Start:
+    """As QwenImageImg2ImgPipeline and QwenImageInpaintPipeline start for the request's seed: the VAE posterior's
+    noise, then the latents' noise, from one CPU generator; the image's sample (the encoder's sample graph) noised
+    to the first step's sigma (the scheduler's scale_noise). With a mask, each step's latents keep the image where
+    the mask is black (0): the image's latents noised to the step's next sigma (0 after the last: the image), the
+    mask taken to the latent grid by nearest sampling, as the pipeline's prepare_mask_latents (its encode of the
+    masked image draws from the generator after both, and the transformer never reads it)."""
     lat = bundle.latents
     z, sf = lat["z_dim"], lat["vae_scale_factor"]
     h, w = req.height, req.width
@@ -126,9 +146,18 @@ def img2img_start(bundle: Runnable, req: Request, schedule: Schedule) -> tuple[t
     posterior = torch.randn((1, z, 1, h // sf, w // sf), generator=gen, dtype=torch.float32)[:, :, 0]
     noise = pack(torch.randn((1, 1, z, h // sf, w // sf), generator=gen, dtype=torch.float32)[:, 0])
     (image,) = bundle.graph("vae_encoder", (h, w), part="sample")(vae_pixels(req.image[0], (h, w)), posterior)
-    start = strength_start(req.steps, req.strength)
-    sigma = schedule.sigmas[start]
-    return sigma * noise + (1.0 - sigma) * image, Schedule(schedule.sigmas[start:], schedule.timesteps[start:])
+    first = strength_start(req.steps, req.strength)
+    sigma = schedule.sigmas[first]
+    rest = Schedule(schedule.sigmas[first:], schedule.timesteps[first:])
+    blend = None
+    if req.mask is not None:
+        mask = F.interpolate(mask_pixels(req.mask, (h, w)), size=(h // sf, w // sf))
+        mask = pack(mask.expand(1, z, h // sf, w // sf))
+
+        def blend(i, x, sigma_next):   # after the last step sigma_next is 0: the image itself, as the pipeline's
+            known = sigma_next * noise + (1.0 - sigma_next) * image
+            return (1 - mask) * known + mask * x
+    return Start(sigma * noise + (1.0 - sigma) * image, rest, blend)
 
 
 def generate(bundle: Runnable, req: Request) -> Result:
@@ -202,8 +231,10 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     sf = lat["vae_scale_factor"]
     noise = torch.cat([initial_noise(r.seed, lat["z_dim"], r.height, r.width, sf) for r in reqs], 0)
     schedule = flow_match_schedule(bundle.scheduler, first.steps, noise.shape[1])
-    if first.image is not None:   # img2img: a batch of one (batch_key), from the image at its strength
-        noise, schedule = img2img_start(bundle, first, schedule)
+    blend = None
+    if first.image is not None:   # img2img and inpaint: a batch of one (batch_key), from the image at its strength
+        start = img2img_start(bundle, first, schedule)
+        noise, schedule, blend = start.latents, start.schedule, start.blend
     scales = [float(r.guidance) if cfg else 1.0 for r in reqs]
     guidance = [torch.tensor(scales[0] if n == 1 else scales, dtype=torch.float32)] if batched else []
     lo, hi = bounds[bundle.coords["cfg"]] if share else bounds[0]
@@ -215,7 +246,8 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     else:
         if share:   # one text row an image (the no-CFG graph): this group's images' rows
             text, text_mask = text[lo:hi], text_mask[lo:hi]
-        x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times)
+        x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times,
+                                blend)
     if share:
         if idler and hi > lo:
             group_done()
@@ -232,9 +264,10 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
 
 
 def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
-            times: dict):
+            times: dict, blend=None):
     """The denoise loop over x's images: (final latents, step-cache rows or None). One step graph a step, or
-    with step caching on the split graphs (qic/runtime/step_cache.py); the loop is the same one."""
+    with step caching on the split graphs (qic/runtime/step_cache.py); the loop is the same one. blend: inpaint's
+    (i, latents, sigma_next) -> latents after each step (img2img_start)."""
     batch = x.shape[0]
     if req.cache.active:
         step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance)
@@ -242,7 +275,8 @@ def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, tex
     graph = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch)
 
     def step(i, x, timestep, sigma, sigma_next):
-        return graph(x, text, text_mask, timestep, sigma, sigma_next, *guidance)[0]
+        out = graph(x, text, text_mask, timestep, sigma, sigma_next, *guidance)[0]
+        return out if blend is None else blend(i, out, sigma_next)
     return denoise_loop(step, x, schedule, record_steps(times)), None
 
 

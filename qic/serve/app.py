@@ -154,13 +154,15 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI
     async def edits(request: Request):
         """The OpenAI images API's edits: a multipart form with the image(s) (`image`, or `image[]` for several, in
         prompt order), the prompt and the generation fields; an edit bundle's program reads the images as
-        conditions, a text-to-image bundle built with the VAE encoder starts from the one image (img2img)."""
-        body, images = await _edit_form(await request.form())
+        conditions, a text-to-image bundle built with the VAE encoder starts from the one image (img2img; with a
+        `mask`, inpaint)."""
+        body, images, mask = await _edit_form(await request.form())
         if "image" not in runner.program.Request.__dataclass_fields__:
             raise ApiError(400, f"this model edits no images (its host program is {runner.program.__name__}); "
                                 "POST /v1/images/generations", "image")
         request.state.log["images"] = len(images)
-        extra = {"image": images, "nearest_condition_size": body.nearest_condition_size, "strength": body.strength}
+        extra = {"image": images, "mask": mask, "nearest_condition_size": body.nearest_condition_size,
+                 "strength": body.strength}
         return await _serve(body, _plan(runner, settings, body, extra), request)
 
     async def _serve(body, items, request: Request):
@@ -241,12 +243,9 @@ class AccessLog:
             access_log.info(json.dumps(record))
 
 
-async def _edit_form(form) -> tuple[EditRequest, list]:
-    """An edits form's fields as EditRequest (400 naming a bad one) and its images, decoded now (400 naming a file
-    that is no readable image). A mask (inpainting) is not served yet: 400."""
-    from PIL import Image
-    if form.getlist("mask"):
-        raise ApiError(400, "mask: inpainting is not served yet; send the image(s) and the prompt", "mask")
+async def _edit_form(form) -> tuple[EditRequest, list, object]:
+    """An edits form's fields as EditRequest (400 naming a bad one), its images and its mask (None without one),
+    decoded now (400 naming a file that is no readable image)."""
     fields = {k: v for k, v in form.multi_items() if k not in EDIT_FILES}
     try:
         body = EditRequest.model_validate(fields)
@@ -257,18 +256,25 @@ async def _edit_form(form) -> tuple[EditRequest, list]:
     files = form.getlist("image") + form.getlist("image[]")
     if not files:
         raise ApiError(400, "image: an edit needs at least one image file", "image")
-    images = []
-    for f in files:
-        if isinstance(f, str):
-            raise ApiError(400, "image: expected a file upload, got a text field", "image")
-        try:
-            with Image.open(io.BytesIO(await f.read())) as im:
-                im.load()
-                images.append(im.copy())
-        except Exception as e:   # PIL's many decode errors: one line naming the upload
-            raise ApiError(400, f"image: {f.filename or 'an upload'} is not a readable image ({type(e).__name__})",
-                           "image") from None
-    return body, images
+    images = [await _decoded(f, "image") for f in files]
+    masks = form.getlist("mask")
+    if len(masks) > 1:
+        raise ApiError(400, "mask: one mask file", "mask")
+    return body, images, (await _decoded(masks[0], "mask") if masks else None)
+
+
+async def _decoded(upload, param: str):
+    """An uploaded file as a decoded PIL image (a truncated one fails here), or a 400 naming it."""
+    from PIL import Image
+    if isinstance(upload, str):
+        raise ApiError(400, f"{param}: expected a file upload, got a text field", param)
+    try:
+        with Image.open(io.BytesIO(await upload.read())) as im:
+            im.load()
+            return im.copy()
+    except Exception as e:   # PIL's many decode errors: one line naming the upload
+        raise ApiError(400, f"{param}: {upload.filename or 'an upload'} is not a readable image ({type(e).__name__})",
+                       param) from None
 
 
 def _plan(runner, settings: Settings, body: ImageRequest, extra: dict | None = None) -> list[tuple]:
