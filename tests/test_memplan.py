@@ -265,7 +265,7 @@ def test_plan_memos_give_the_computed_plan_and_recompute_what_an_input_changes(t
     first = plan()
     # TP 1's weight bytes besides the looped form's (the VAE has no looped form: the same memo twice)
     everything = {"weight_bytes text_encoder": 2, "weight_bytes denoiser": 2, "weight_bytes vae_decoder": 1,
-                  **{f"estimate_graph {c}": 1 for c in COMPONENTS}, "step_traffic": 1}
+                  **{f"estimate_graph {c}": 1 for c in spec.components}, "step_traffic": 1}
     assert calls == everything, calls
     assert plan() == first and not calls
     # The denoiser's dtype: its weights, its graph's estimate and the step's traffic; the others are kept.
