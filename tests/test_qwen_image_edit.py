@@ -357,3 +357,23 @@ def test_an_edit_plus_build_defaults_to_the_seven_aspects_and_three_images(edit_
     # a count given, the sizes default; sizes given, the count defaults to the class's
     assert parse_spec({"model": str(edit_ckpt), "condition_images": 2}).condition_sizes == sizes
     assert parse_spec({"model": str(edit_ckpt), "condition_sizes": ["64x64"]}).condition_images == 3
+
+
+def test_an_edit_lora_merges_as_diffusers_fuses_it(shared_dir, cache_dir, edit_ckpt, pipe, tmp_path):
+    """`qic build --lora FILE:SCALE` on an edit build merges into the denoiser as QwenImageEditPlusPipeline's
+    load_lora_weights + fuse_lora: the edit within the bound; without the LoRA, outside it."""
+    from tests.test_lora import SCALE, _factors, write_lora
+    lora = tmp_path / "edit-lora.safetensors"
+    write_lora("peft", _factors(edit_ckpt), lora)
+    bundle = _build_edit(shared_dir, cache_dir, edit_ckpt, "bundle-edit-lora-export", "--backend", "export",
+                         "--lora", f"{lora}:{SCALE}", sizes=SIZES[:1])
+    images = _pictures(1)
+    pipe.load_lora_weights(str(lora), adapter_name="edit")
+    pipe.fuse_lora(lora_scale=SCALE)
+    try:
+        ref = _reference(pipe, images)
+    finally:
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
+    assert _within(_ours(bundle, images), ref)
+    assert not _within(_reference(pipe, images), ref)
