@@ -63,6 +63,8 @@ SMOKES = {
                    + [r"wrote .*/img/step-cache\.png"]),
     "q21_step": (300, [r"\| (text|text \+ one 64x64 image) \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \| "
                        r"[\d.]+ s \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \| [\d.e+-]+ \| \d+ s \|"] * 2),
+    "edit": (300, [r"\| (vision|language model|vae_encoder|steps|decoder|all stages) \| [\d.]+ \| [\d.]+ \| "
+                   r"[\d.]+x \|"] * 6 + [r"default Plus build .*: 29 graphs, about [\d.]+ min of compiling .*"]),
     "peak": (180, [r"\| tiny \| (text_encoder@L72|denoiser@48x80@L72|vae_decoder@48x80) \| [\d.]+ \| .*"] * 3),
 }
 

@@ -119,14 +119,23 @@ def plan(model, req: Request) -> tuple:
     return ("request", id(req))
 
 
-def _encode_images(model, images: list[Image.Image], sized: list[Sized]) -> _Conditions:
+def _encode_images(model, images: list[Image.Image], sized: list[Sized], timings: dict | None = None) -> _Conditions:
+    """Each image through the VAE encoder and the vision tower at its size, padded to the bundle's capacities;
+    `timings` gains the seconds of each ("vae_encoder", "vision": all images together)."""
     cond = model.manifest["conditions"]
     embeds, latents = [], []
+    spent = {"vae_encoder": 0.0, "vision": 0.0}
     for img, s in zip(images, sized):
+        t = time.perf_counter()
         (tokens,) = model.graph("vae_encoder", s.vae)(vae_pixels(img, s.vae))
+        spent["vae_encoder"] += time.perf_counter() - t
+        t = time.perf_counter()
         (feats,) = model.graph("vision", s.vae)(vision_input(img, s, cond["processor"]))
+        spent["vision"] += time.perf_counter() - t
         latents.append(tokens[0])
         embeds.append(feats)
+    if timings is not None:
+        timings.update(spent)
     e, lat = torch.cat(embeds), torch.cat(latents)
     slots, capacity = cond["slots"], cond["cond_tokens"]
     if e.shape[0] > slots or lat.shape[0] > capacity:   # sizes and count are checked: only a lying manifest
@@ -170,9 +179,7 @@ def generate(model, req: Request) -> Result:
     ids, bucket, cfg = _tokens(model, req, sized)
     timings["tokenize"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    conds = _encode_images(model, images, sized)
-    timings["images"] = time.perf_counter() - t
+    conds = _encode_images(model, images, sized, timings)
 
     t = time.perf_counter()
     encoder = model.graph("text_encoder", bucket=bucket, part="images")
