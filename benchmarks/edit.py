@@ -61,6 +61,13 @@ def edit_checkpoint(out: Path, depth: int, tiny: bool) -> Path:
             write_checkpoint(out, "tiny", seed=0)
         else:
             write_realwidth_checkpoint(out, depth)
+    # The embedded tokenizer's special tokens sit at its own ids (below 1024): the language model's config names them
+    from qic.checkpoint.presets import special_id
+    te_config = json.loads((out / "text_encoder" / "config.json").read_text())
+    te_config.update({key: special_id(token) for key, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))})
+    (out / "text_encoder" / "config.json").write_text(json.dumps(te_config, indent=2))
     index = json.loads((out / "model_index.json").read_text())
     index.update(_class_name="QwenImageEditPlusPipeline", processor=["transformers", "Qwen2VLProcessor"])
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
@@ -102,10 +109,13 @@ def qic_side(bundle: Path, image: Image.Image, size: int, steps: int) -> tuple[d
 
 
 class _Timer:
-    """Seconds spent in a module's forward (or a bound method), summed over calls."""
+    """Seconds spent in a module's forward (or a bound method), summed over calls; `restore` puts back what was
+    there (an instance attribute, such as the text encoder's 3-D positions, included)."""
 
     def __init__(self, owner, name: str):
         self.seconds, real = 0.0, getattr(owner, name)
+        self.owner, self.name = owner, name
+        self.own = owner.__dict__.get(name)   # an instance attribute to put back, else None
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -114,6 +124,12 @@ class _Timer:
             finally:
                 self.seconds += time.perf_counter() - t0
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        if self.own is not None:
+            setattr(self.owner, self.name, self.own)
+        else:
+            delattr(self.owner, self.name)
 
 
 def diffusers_pipeline(ckpt: Path):
@@ -153,7 +169,8 @@ def diffusers_side(pipe, image: Image.Image, size: int, steps: int) -> tuple[dic
         out = pipe(image=[image], prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE, height=size,
                    width=size, num_inference_steps=steps, generator=torch.Generator().manual_seed(SEED)).images[0]
     secs = {k: t.seconds for k, t in timers.items()}
-    del te.forward, te.model.visual.forward, pipe.vae.encode, pipe.transformer.forward, pipe.vae.decode
+    for t in reversed(list(timers.values())):   # the VAE's encode and decode wrapped on one object: last first
+        t.restore()
     return {"vision": secs["vision"], "language model": secs["text encoder"] - secs["vision"],
             "vae_encoder": secs["vae_encoder"], "steps": secs["steps"], "decoder": secs["decoder"]}, out
 
