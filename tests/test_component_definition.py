@@ -67,8 +67,13 @@ TOY_DEF = family.Component(
 
 @pytest.fixture
 def toy(monkeypatch):
+    """The stand-in in Qwen-Image's definitions, that family the one being built (an in-process build of another
+    family earlier in this worker leaves its own current: qic.family.use), both undone after."""
     monkeypatch.setitem(qwen_image.COMPONENTS, TOY, TOY_DEF)
-    return TOY_DEF
+    before = family.current()
+    family.use("qwen-image")
+    yield TOY_DEF
+    family.use(before)
 
 
 def _raw(dim: int = DIM) -> dict:

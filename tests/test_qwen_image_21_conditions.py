@@ -316,6 +316,37 @@ def test_bad_images_are_refused_in_one_line_and_nothing_is_written(cond_export, 
     lines.write_text(json.dumps({"prompt": PROMPT, "image": 3}) + "\n")
     r = qic("run", cond_export[0], "--prompts-file", lines, check=False)
     assert r.returncode == 2 and "image must be an image file path or a list of them" in r.stderr, r.stderr
-    # a Qwen-Image bundle's program takes no images: refused by name, never dropped
+    # on a Qwen-Image text-to-image bundle --image is img2img's, which needs the VAE encoder this one lacks: refused
+    # naming it, never dropped
     r = qic("run", bundle, "--prompt", PROMPT, "--image", good, "--output", out, check=False)
-    assert r.returncode == 2 and "--image: this bundle's host program" in r.stderr and not out.exists(), r.stderr
+    assert r.returncode == 2 and "needs the VAE encoder" in r.stderr and not out.exists(), r.stderr
+
+
+@pytest.mark.slow
+def test_served_reference_images_are_the_png_qic_run_writes(cond_export, tmp_path):
+    """A 2.1 bundle built with condition sizes takes its reference images through POST /v1/images/edits (the openai
+    client's images.edit, two images as image[]), its own program reading them: `qic run`'s PNG byte for byte (the
+    pictures fitted to the nearest built size at the default output_resolution, on both)."""
+    import base64
+
+    from openai import OpenAI
+
+    from tests.test_serve import ServeProcess
+    paths = []
+    for i, picture in enumerate(_pictures(2)):
+        paths.append(tmp_path / f"cond{i}.png")
+        picture.save(paths[-1])
+    settings = {"negative_prompt": NEGATIVE, "guidance": GUIDANCE, "seed": SEED, "steps": STEPS}
+    srv = ServeProcess(cond_export[0], tmp_path / "serve.log")
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
+        with open(paths[0], "rb") as a, open(paths[1], "rb") as b:
+            resp = client.images.edit(image=[a, b], prompt=PROMPT, size="{1}x{0}".format(*Q21_SIZE),
+                                      extra_body={**settings, "nearest_condition_size": True})
+    finally:
+        srv.close()
+    png = tmp_path / "run.png"
+    qic("run", cond_export[0], "--prompt", PROMPT, *[a for p in paths for a in ("--image", p)],
+        "--nearest-condition-size", "--height", Q21_SIZE[0], "--width", Q21_SIZE[1],
+        *[a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", v)], "--output", png)
+    assert base64.b64decode(resp.data[0].b64_json) == png.read_bytes()

@@ -73,7 +73,10 @@ class EagerModel:
         self.layout, self.rank = layout or Layout(), rank
         self.world, self.coords = self.layout.world, self.layout.coords(rank)
         join(self.layout)   # the mesh's groups and the host's (nothing on one rank)
-        for name, comp in family.components().items():
+        # the components a build of this checkpoint holds by default (a family's condition components only with
+        # condition sizes: an edit checkpoint's defaults)
+        built = {name: family.component(name) for name in spec.components}
+        for name, comp in built.items():
             cfg = comp.parse_config(self.ckpt.config(comp.folder))
             sd = comp.convert(self.ckpt.weights(comp.folder).load())
             if comp.runs_layout and self.layout.tp > 1:
@@ -90,8 +93,7 @@ class EagerModel:
             packed_grid(h, w, self.configs["vae_decoder"].scale_factor)
         # The parts of each component's graphs a build of these keys holds besides step caching's (None: the whole
         # graph; Qwen-Image-2.1's denoiser has only its prefill and decode)
-        self._parts = {name: {shape.get("part") for shape in comp.graph_shapes(spec)}
-                       for name, comp in family.components().items()}
+        self._parts = {name: {shape.get("part") for shape in comp.graph_shapes(spec)} for name, comp in built.items()}
         self._graphs = {}
         self.defaults = {}
         self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
