@@ -195,3 +195,22 @@ def test_compiled_img2img_through_the_cli_and_serve(shared_dir, cache_dir, tiny_
         r = qic(*args, "--output", bad, check=False)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
         assert not bad.exists()
+
+
+def test_img2img_and_inpaint_on_xla_cpu(tiny_ckpt, neuron_cache, pipe, tmp_path):
+    """The neuron back end's lowering: the VAE encoder's sample form lowered and checked on XLA:CPU against eager
+    with the other graphs (the session neuron bundle's, one cache), and `qic run --device xla-cpu --image --mask`
+    inpaints as the pipeline does."""
+    from tests.test_neuron_xla import xla_qic
+    proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--resolution", "{}x{}".format(*TINY_RES),
+                   "--text-buckets", ",".join(map(str, BUCKETS)), "--components", COMPONENTS, "--cache-dir",
+                   neuron_cache, "--output", tmp_path / "bundle")
+    # every graph (two text buckets' text encoders and steps, the decoder, the encoder's sample form) checked
+    assert "6 of 6 graphs executed on XLA:CPU and matched eager PyTorch" in proc.stdout + proc.stderr, proc.stdout
+    image, mask = _picture(), _mask()
+    image.save(tmp_path / "in.png")
+    mask.save(tmp_path / "mask.png")
+    xla_qic("run", tmp_path / "bundle", "--device", "xla-cpu", "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+            "--guidance", GUIDANCE, "--seed", SEED, "--steps", STEPS, "--height", TINY_RES[0], "--width", TINY_RES[1],
+            "--image", tmp_path / "in.png", "--mask", tmp_path / "mask.png", "--output", tmp_path / "xla.png")
+    assert _within(Image.open(tmp_path / "xla.png"), _inpaint_reference(pipe, image, mask))
