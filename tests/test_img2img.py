@@ -214,3 +214,16 @@ def test_img2img_and_inpaint_on_xla_cpu(tiny_ckpt, neuron_cache, pipe, tmp_path)
             "--guidance", GUIDANCE, "--seed", SEED, "--steps", STEPS, "--height", TINY_RES[0], "--width", TINY_RES[1],
             "--image", tmp_path / "in.png", "--mask", tmp_path / "mask.png", "--output", tmp_path / "xla.png")
     assert _within(Image.open(tmp_path / "xla.png"), _inpaint_reference(pipe, image, mask))
+
+
+def test_tp2_inpaint_draws_the_tp1_image(shared_dir, cache_dir, tiny_ckpt, i2i_export, tmp_path):
+    """At TP 2 (the VAE encoder replicated, its sample on every rank from the same seed; the text encoder and the
+    denoiser sharded), through `qic run`'s ranks: TP 1's inpaint within the bound."""
+    bundle = _build_i2i(shared_dir, cache_dir, tiny_ckpt, "bundle-i2i-tp2-export", "--backend", "export", "--tp", 2)
+    image, mask = _picture(), _mask()
+    image.save(tmp_path / "in.png")
+    mask.save(tmp_path / "mask.png")
+    qic("run", bundle, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED,
+        "--steps", STEPS, "--height", TINY_RES[0], "--width", TINY_RES[1], "--image", tmp_path / "in.png", "--mask",
+        tmp_path / "mask.png", "--output", tmp_path / "tp2.png")
+    assert _within(Image.open(tmp_path / "tp2.png"), _ours(i2i_export, image, 0.6, mask=mask))
