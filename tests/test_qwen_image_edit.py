@@ -377,3 +377,21 @@ def test_an_edit_lora_merges_as_diffusers_fuses_it(shared_dir, cache_dir, edit_c
         pipe.unload_lora_weights()
     assert _within(_ours(bundle, images), ref)
     assert not _within(_reference(pipe, images), ref)
+
+
+def test_warm_fills_an_edit_matrix_that_a_build_then_hits(edit_ckpt, tmp_path):
+    """`qic warm` over a matrix naming an edit checkpoint and its condition sizes at TP 1 and 2 (the export back end:
+    the orchestration, nothing compiled) compiles each of the edit graphs once; the TP 2 build after compiles none."""
+    import yaml
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(yaml.safe_dump({
+        "model": [str(edit_ckpt)], "backend": "export", "tp": [1, 2], "resolutions": ["{}x{}".format(*OUTPUT)],
+        "text_buckets": [BUCKET], "condition_sizes": ["{}x{}".format(*SIZES[0])], "condition_images": 1,
+        "cache_dir": str(tmp_path / "cache")}))
+    out = qic("warm", matrix).stdout
+    assert "7 misses (7 compiled, 0 failed)" in " ".join(out.split()), out   # 5 graphs, 2 of them again at TP 2
+    build = qic("build", "--model", edit_ckpt, "--backend", "export", "--tp", 2, "--resolution",
+                "{}x{}".format(*OUTPUT), "--text-buckets", BUCKET, "--condition-size", "{}x{}".format(*SIZES[0]),
+                "--condition-images", 1, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "bundle").stdout
+    compiles = [line for line in build.splitlines() if line.startswith("│ compile")]
+    assert len(compiles) == 5 and all("│ cached │" in line for line in compiles), build
