@@ -119,6 +119,12 @@ def test_two_images_of_different_aspect(edit_export, pipe):
     assert not _within(_ours(edit_export, images[::-1]), ref)
     # without CFG (no negative prompt): the CFG graph at guidance 1, as the pipeline's single prediction
     assert _within(_ours(edit_export, images, negative=None), _reference(pipe, images, negative=None))
+    # without --height/--width the output follows the last image (832x1248 here): not built, refused naming why
+    from qic.errors import ConfigError
+    from qic.models.qwen_image.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    with pytest.raises(ConfigError, match="follows the last image's aspect at 1024.1024 pixels, 832x1248"):
+        generate(Bundle(edit_export), Request(PROMPT, image=images, nearest_condition_size=True))
 
 
 def test_broken_variants_leave_the_bound(edit_export, pipe, monkeypatch):

@@ -77,13 +77,19 @@ def _defaults(model, req: Request):
         req.guidance = d.get("guidance", DEFAULT_GUIDANCE)
     if req.seed is None:
         req.seed = 0
-    if req.height is None and req.width is None:
+    derived = req.height is None and req.width is None
+    if derived:
         # the pipelines': the last image's aspect at 1024*1024 pixels (Edit's one image), cut to multiples of 16
         last = images[-1]
         h, w = calculate_dimensions(VAE_AREA, last.width / last.height)
         req.height, req.width = h // LATENT_PATCH * LATENT_PATCH, w // LATENT_PATCH * LATENT_PATCH
     if req.height is None or req.width is None:
         raise ConfigError("give both --height and --width, or neither")
+    if derived and (req.height, req.width) not in [tuple(r) for r in model.resolutions]:
+        built = ", ".join(f"{a}x{b}" for a, b in model.resolutions)
+        raise ConfigError(f"the output size follows the last image's aspect at 1024*1024 pixels, {req.height}x"
+                          f"{req.width}, which this bundle was not built for (it has: {built})",
+                          "give --height and --width of a built resolution, or rebuild with --resolution")
     model.check_resolution(req.height, req.width)
     return req, images, sized, fitted
 
