@@ -139,19 +139,15 @@ def test_broken_variants_leave_the_bound(edit_export, pipe, monkeypatch):
 
     real_encode = host._encode_images
 
-    def no_latents(*args):
-        c = real_encode(*args)
-        c.latents = torch.zeros_like(c.latents)
-        return c
-    monkeypatch.setattr(host, "_encode_images", no_latents)
-    assert not _within(_ours(b, images), ref)
-
-    def no_features(*args):
-        c = real_encode(*args)
-        c.embeds = torch.zeros_like(c.embeds)
-        return c
-    monkeypatch.setattr(host, "_encode_images", no_features)
-    assert not _within(_ours(b, images), ref)
+    def zeroed(field):   # the encoded images with one of their parts left out
+        def encode(*args):
+            c = real_encode(*args)
+            setattr(c, field, torch.zeros_like(getattr(c, field)))
+            return c
+        return encode
+    for field in ("latents", "embeds"):
+        monkeypatch.setattr(host, "_encode_images", zeroed(field))
+        assert not _within(_ours(b, images), ref), field
     monkeypatch.setattr(host, "_encode_images", real_encode)
 
     real_positions = host.rope_positions

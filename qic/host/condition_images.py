@@ -58,6 +58,18 @@ def vision_grid(height: int, width: int, patch_size: int = 16, merge_size: int =
     return h // patch_size, w // patch_size
 
 
+def as_list(values) -> list:
+    """A request's image field as a list: one path or image, or a sequence of them (None: none)."""
+    if values is None:
+        return []
+    return [values] if isinstance(values, (str, Path, Image.Image)) else list(values)
+
+
+def loaded(value) -> Image.Image:
+    """An image field's item decoded: a path read now (open_image), a decoded image as it is."""
+    return value if isinstance(value, Image.Image) else open_image(Path(value))
+
+
 def open_image(path: Path) -> Image.Image:
     """The image file decoded now (a truncated file fails here, not halfway through a run): one line naming the
     file when it is missing or not a readable image."""

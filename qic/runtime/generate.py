@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,7 @@ from PIL import Image
 from qic.errors import ConfigError
 from qic.host.aspect import pick_resolution
 from qic.host.cache_policy import CacheSettings, settings_from
-from qic.host.condition_images import mask_pixels, open_image, vae_pixels
+from qic.host.condition_images import as_list, loaded, mask_pixels, vae_pixels
 from qic.host.latents import initial_noise, pack
 from qic.host.options import CACHE_FIELDS, REQUEST_OPTIONS, request_class
 from qic.host.prompt import pick_bucket
@@ -100,13 +99,12 @@ def _check_img2img(req: Request, bundle: Runnable) -> None:
     if req.image is None:
         raise ConfigError(f"{'mask' if req.mask is not None else 'strength'} is img2img's and inpaint's: give the "
                           "image to start from (--image)")
-    images = [req.image] if isinstance(req.image, (str, Path, Image.Image)) else list(req.image)
+    images = as_list(req.image)
     if len(images) != 1:
         raise ConfigError(f"img2img starts from one image; {len(images)} given")
-    req.image = [images[0] if isinstance(images[0], Image.Image) else open_image(Path(images[0]))]
+    req.image = [loaded(images[0])]
     if req.mask is not None:
-        if not isinstance(req.mask, Image.Image):
-            req.mask = open_image(Path(req.mask))
+        req.mask = loaded(req.mask)
         if req.mask.size != req.image[0].size:
             raise ConfigError(f"the mask is {req.mask.width}x{req.mask.height} pixels, the image "
                               f"{req.image[0].width}x{req.image[0].height}: inpaint takes a mask of the image's size")

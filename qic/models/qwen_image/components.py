@@ -18,8 +18,6 @@ two agree tensor by tensor (qic.builder.shard._plan), so a table that disagrees 
 
 from __future__ import annotations
 
-import json
-
 from qic.errors import ConfigError, warn
 from qic.family import COLUMN, ROW, Component, TPPlan
 from qic.host.image_tokens import IMAGE_PAD
@@ -50,6 +48,7 @@ from qic.models.qwen_image.text_encoder import (
 from qic.models.qwen_image.vae_decoder import QwenVAEDecoder, VAEConfig, vae_decoder_state_dict
 from qic.models.qwen_image.vae_encoder import QwenVAEEncoder, vae_encoder_state_dict
 from qic.models.qwen_image.vision import QwenImageVision, VisionConfig, vision_state_dict
+from qic.spec import model_class
 
 _HERE = __name__.rpartition(".")[0]                     # this family's package
 _SHARED = ("qic.models.common", "qic.models.looped")     # the shared modules its converted weights depend on
@@ -239,12 +238,6 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
 )}
 
 
-def pipeline_class(ctx) -> str | None:
-    """The checkpoint's model_index.json `_class_name` (the family check already read the file)."""
-    path = ctx.ckpt.root / "model_index.json"
-    return json.loads(path.read_text()).get("_class_name") if path.is_file() else None
-
-
 def validate(spec, ctx) -> None:
     """Qwen-Image's checks of a build (qic.builder.context.validate calls them first): its scheduler, resolutions
     (the VAE's scale), text buckets against the prompt template, the denoiser's heads under a parallel layout."""
@@ -279,7 +272,8 @@ def validate(spec, ctx) -> None:
 
 def _check_edit(spec, ctx) -> None:
     """An edit build: an Edit Plus checkpoint with condition sizes, and what its graphs do not take yet refused."""
-    cls = spec.pipeline_class or pipeline_class(ctx)
+    # the spec's reading of model_index.json, else (an embedded checkpoint, written since) the resolved folder's
+    cls = spec.pipeline_class or model_class(str(ctx.ckpt.root))
     edit = cls in EDIT_CLASSES
     if edit and not spec.condition_sizes:
         raise ConfigError(f"{ctx.ckpt.root}: {cls} edits condition images: its build needs their sizes",

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from PIL import Image
 
 from qic.errors import ConfigError
-from qic.host.condition_images import calculate_dimensions, open_image, rgb, vision_grid
+from qic.host.condition_images import as_list, calculate_dimensions, loaded, rgb, vision_grid
 from qic.host.vl_processor import vision_pixels
 
 VAE_AREA = 1024 * 1024      # the pipeline's VAE_IMAGE_SIZE
@@ -79,13 +78,13 @@ def slots(sizes, images: int, proc: dict, edit: str = PLUS) -> tuple[int, int]:
 def read_images(values, conditions: dict) -> list[Image.Image]:
     """The request's images (paths or PIL images): at least one, at most the bundle's --condition-images; a file
     that is no readable image is one line naming it."""
-    values = [] if values is None else [values] if isinstance(values, (str, Path, Image.Image)) else list(values)
+    values = as_list(values)
     if not values:
         raise ConfigError("an edit bundle needs a condition image", "give --image FILE (repeatable)")
     if len(values) > conditions["images"]:
         raise ConfigError(f"{len(values)} condition images; this bundle takes at most {conditions['images']}",
                           f"rebuild with --condition-images {len(values)}, or give fewer --image")
-    return [v if isinstance(v, Image.Image) else open_image(Path(v)) for v in values]
+    return [loaded(v) for v in values]
 
 
 def size_images(images: list[Image.Image], conditions: dict, nearest: bool = False) -> tuple[list[Sized], list[str]]:

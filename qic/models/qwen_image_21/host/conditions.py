@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from PIL import Image
 
 from qic.errors import ConfigError
-from qic.host.condition_images import open_image
+from qic.host.condition_images import as_list, loaded
 from qic.host.vl_processor import vision_pixels
 from qic.models.qwen_image_21.host.sampling import VAE_SCALE, condition_pixels, condition_size, vision_image
 from qic.models.qwen_image_21.host.sequence import SLOT_TOKENS
@@ -42,14 +41,14 @@ def read_images(values, conditions: dict) -> list[Image.Image]:
     without condition sizes, at most `--condition-images`; a file that is no readable image is one line naming it."""
     if not values:
         return []
-    values = [values] if isinstance(values, (str, Path, Image.Image)) else list(values)
+    values = as_list(values)
     if not conditions.get("sizes"):
         raise ConfigError("this bundle was built without condition images",
                           "rebuild with --condition-size HxW (and --condition-images N), or drop --image")
     if len(values) > conditions["images"]:
         raise ConfigError(f"{len(values)} condition images; this bundle takes at most {conditions['images']}",
                           f"rebuild with --condition-images {len(values)}, or give fewer --image")
-    return [v if isinstance(v, Image.Image) else open_image(Path(v)) for v in values]
+    return [loaded(v) for v in values]
 
 
 def condition_sizes(images: list[Image.Image], conditions: dict, output_resolution: int,
