@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from qic import backends, family
-from qic.checkpoint.presets import default_resolutions
+from qic.checkpoint.presets import default_resolutions, default_text_buckets
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
@@ -44,6 +44,9 @@ class BuildSpec:
     # (model_class); None for the embedded checkpoints. Read, not set: a family's graphs may differ by class
     # (Qwen-Image's Edit and Edit Plus size their vision inputs differently).
     pipeline_class: str | None = None
+    # An edit model's condition-image areas in pixels, (VAE side, vision side), where the checkpoint records its own
+    # (condition_areas); None: its pipeline's constants (Edit Plus: 1024*1024 and 384*384).
+    condition_areas: tuple[int, int] | None = None
     # Per component, in the family's order (qic.family: its definitions are read when a spec is made).
     dtype: tuple[tuple[str, str], ...] = field(
         default_factory=lambda: tuple((c, "float32") for c in family.names(family.default())))
@@ -200,20 +203,22 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
                           "(not yet)", f"build with --backend {fam.backends[0]}")
     known = family.names(fam)
     pipeline_class = model_class(model)
-    condition_sizes, condition_images = _conditions(raw, at, fam.condition_defaults.get(pipeline_class))
+    condition_sizes, condition_images = _conditions(
+        raw, at, embedded_condition_defaults(model) or fam.condition_defaults.get(pipeline_class))
     components = _components(raw, fam, bool(condition_sizes), at)
     resolutions = default_resolutions(model)
     spec = BuildSpec(
         model=model,
         family=fam.name,
         pipeline_class=pipeline_class,
+        condition_areas=condition_areas(model),
         backend=backend,
         device=device,
         tp=tp,
         dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", at("dtype"), known),
         resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
             raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
-        text_buckets=(buckets := _buckets(raw, at)),
+        text_buckets=(buckets := _buckets(raw, at, model)),
         components=tuple(c for c in known if c in components),
         output=_path(raw.get("output", d.output), "output", at("output")),
         cache_dir=_path(raw.get("cache_dir", d.cache_dir), "cache_dir", at("cache_dir")),
@@ -479,12 +484,12 @@ def bucket_steps(step, source: str = "config") -> tuple[int, ...]:
     return tuple(range(step, MAX_TEXT_BUCKET + step, step))
 
 
-def _buckets(raw: Mapping, at) -> tuple[int, ...]:
+def _buckets(raw: Mapping, at, model: str | None = None) -> tuple[int, ...]:
     if "text_bucket_step" in raw and "text_buckets" in raw:
         raise ConfigError(f"{at('text_bucket_step')}: give text_buckets or text_bucket_step, not both")
     if "text_bucket_step" in raw:
         return bucket_steps(raw["text_bucket_step"], at("text_bucket_step"))
-    return parse_buckets(raw.get("text_buckets", list(BuildSpec.text_buckets)), at("text_buckets"))
+    return parse_buckets(raw.get("text_buckets", list(default_text_buckets(model))), at("text_buckets"))
 
 
 def _cache_defaults_need_graphs(defaults: dict, step_cache, source: str) -> None:
@@ -557,18 +562,58 @@ def model_family(model: str | None) -> family.Family:
     return family.of_model_index(index) if index is not None else family.default()
 
 
-def model_class(model: str | None) -> str | None:
-    """The pipeline class a model's model_index.json names, where model_family can read it; None otherwise."""
+def _model_index(model: str | None) -> dict | None:
+    """A model's model_index.json where model_family can read it: an embedded preset's as its writer writes it."""
     import json
 
-    from qic.checkpoint.model_index import local_model_index
+    from qic.checkpoint.model_index import EMBEDDED_PREFIX, local_model_index
 
+    if model is not None and model.startswith(EMBEDDED_PREFIX):
+        from qic.checkpoint import embedded, presets
+        name = model.removeprefix(EMBEDDED_PREFIX)
+        return embedded.model_index(presets.PRESETS[name]) if name in presets.PRESETS else None
     index = local_model_index(model)
     try:
         data = json.loads(index.read_text()) if index is not None else None
     except (OSError, ValueError):
         return None   # model_family has already refused an unreadable file, naming it
-    return data.get("_class_name") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def model_class(model: str | None) -> str | None:
+    """The pipeline class a model's model_index.json names, where model_family can read it; None otherwise."""
+    return (_model_index(model) or {}).get("_class_name")
+
+
+def condition_areas(model: str | None) -> tuple[int, int] | None:
+    """(VAE side, vision side) pixel areas an edit model records as its own (qic.checkpoint.embedded
+    .CONDITION_AREAS_KEY: the trained shapes-edit model's pictures keep their 128*128 pixels); None for the
+    pipeline's own. A malformed record is refused naming the key."""
+    from qic.checkpoint.embedded import CONDITION_AREAS_KEY
+
+    areas = (_model_index(model) or {}).get(CONDITION_AREAS_KEY)
+    if areas is None:
+        return None
+    try:
+        vae, vision = int(areas["vae"]), int(areas["vision"])
+    except (TypeError, KeyError, ValueError):
+        vae = vision = 0
+    if vae <= 0 or vision <= 0:
+        raise ConfigError(f"{model}: model_index.json's {CONDITION_AREAS_KEY} must be {{\"vae\": PIXELS, "
+                          f"\"vision\": PIXELS}}, positive integers; it is {areas!r}")
+    return vae, vision
+
+
+def embedded_condition_defaults(model: str | None):
+    """An embedded edit model's (condition sizes, images) when the build names none: the resolutions it was
+    trained at, one image (what it was trained with); None for any other model."""
+    from qic.checkpoint.model_index import EMBEDDED_PREFIX
+    from qic.checkpoint.presets import PRESETS
+
+    if model is None or not model.startswith(EMBEDDED_PREFIX):
+        return None
+    p = PRESETS.get(model.removeprefix(EMBEDDED_PREFIX), {})
+    return (tuple(tuple(r) for r in p["default_resolutions"]), 1) if p.get("edit") else None
 
 
 def with_changes(spec: BuildSpec, **changes) -> BuildSpec:

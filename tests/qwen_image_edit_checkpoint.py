@@ -23,15 +23,10 @@ from pathlib import Path
 
 import torch
 
-from qic.checkpoint.embedded import tokenizer_files
+from qic.checkpoint.embedded import PREPROCESSOR_CONFIG, tokenizer_files
 from qic.checkpoint.presets import preset, special_id
 from tests.helpers import images_only_processor, sensitize_
 
-# Qwen2.5-VL's published preprocessor_config.json (Qwen/Qwen-Image-Edit-2509's processor folder)
-PREPROCESSOR_CONFIG = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
-                       "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                       "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": 3136,
-                       "max_pixels": 12845056}
 # Qwen2-VL's chat template for what the processor renders (text parts only: the pipeline formats its own prompt)
 CHAT_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] "
                  "+ '<|im_end|>\\n' }}{%- endfor %}")

@@ -297,3 +297,25 @@ def test_pipeline_tiny_alt_runs(ckpts):
     assert a.shape == (h, w, 3) and np.isfinite(a).all()
     assert saturated < 0.25 and a.std() > 10
     assert np.abs(a - b).mean() > 1.0
+
+
+def test_an_edit_preset_is_written_as_an_edit_plus_checkpoint_with_its_own_areas(tmp_path):
+    """An edit preset (`edit`: its pipeline class and condition areas; the trained shapes-edit's) is written in the
+    Edit checkpoints' layout: model_index.json names QwenImageEditPlusPipeline and a processor, whose folder holds the
+    tokenizer files and Qwen2.5-VL's preprocessor_config.json, and records the areas, which the spec reads back; a
+    malformed record is refused in one line naming the key."""
+    from qic.checkpoint.embedded import PREPROCESSOR_CONFIG, write_checkpoint_from_configs
+    from qic.errors import ConfigError
+    from qic.spec import condition_areas, model_class
+    configs = presets.shapes_edit_architecture(presets.preset("tiny"))
+    root = write_checkpoint_from_configs(tmp_path / "edit", configs, "tiny-edit")
+    index = json.loads((root / "model_index.json").read_text())
+    assert index["_class_name"] == model_class(str(root)) == "QwenImageEditPlusPipeline"
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    assert json.loads((root / "processor" / "preprocessor_config.json").read_text()) == PREPROCESSOR_CONFIG
+    assert (root / "processor" / "tokenizer.json").read_bytes() == (root / "tokenizer" / "tokenizer.json").read_bytes()
+    assert condition_areas(str(root)) == (128 * 128, 128 * 128)
+    assert condition_areas(str(tmp_path / "nowhere")) is None
+    (root / "model_index.json").write_text(json.dumps(index | {"_qic_condition_areas": {"vae": 0}}))
+    with pytest.raises(ConfigError, match="_qic_condition_areas must be"):
+        condition_areas(str(root))

@@ -216,14 +216,19 @@ def test_img2img_and_inpaint_on_xla_cpu(tiny_ckpt, neuron_cache, pipe, tmp_path)
     assert _within(Image.open(tmp_path / "xla.png"), _inpaint_reference(pipe, image, mask))
 
 
-def test_tp2_inpaint_draws_the_tp1_image(shared_dir, cache_dir, tiny_ckpt, i2i_export, tmp_path):
-    """At TP 2 (the VAE encoder replicated, its sample on every rank from the same seed; the text encoder and the
-    denoiser sharded), through `qic run`'s ranks: TP 1's inpaint within the bound."""
-    bundle = _build_i2i(shared_dir, cache_dir, tiny_ckpt, "bundle-i2i-tp2-export", "--backend", "export", "--tp", 2)
+@pytest.mark.parametrize("layout", [("--tp", 2), ("--ulysses", 2), ("--cfg-parallel",)], ids=["tp2", "ulysses2",
+                                                                                                "cfg_parallel"])
+def test_inpaint_under_each_layout_draws_the_tp1_image(shared_dir, cache_dir, tiny_ckpt, i2i_export, tmp_path, layout):
+    """Under TP 2 (the VAE encoder replicated, its sample on every rank from the same seed; the text encoder and the
+    denoiser sharded), Ulysses 2 (the sequence split across ranks) and CFG-parallel (each branch on its own rank; the
+    start latents and the blend are host work every rank does alike), through `qic run`'s ranks: TP 1's inpaint
+    within the bound."""
+    name = "bundle-i2i-" + "".join(map(str, layout)).strip("-") + "-export"
+    bundle = _build_i2i(shared_dir, cache_dir, tiny_ckpt, name, "--backend", "export", *layout)
     image, mask = _picture(), _mask()
     image.save(tmp_path / "in.png")
     mask.save(tmp_path / "mask.png")
     qic("run", bundle, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED,
         "--steps", STEPS, "--height", TINY_RES[0], "--width", TINY_RES[1], "--image", tmp_path / "in.png", "--mask",
-        tmp_path / "mask.png", "--output", tmp_path / "tp2.png")
-    assert _within(Image.open(tmp_path / "tp2.png"), _ours(i2i_export, image, 0.6, mask=mask))
+        tmp_path / "mask.png", "--output", tmp_path / "layout.png")
+    assert _within(Image.open(tmp_path / "layout.png"), _ours(i2i_export, image, 0.6, mask=mask))

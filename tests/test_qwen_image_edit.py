@@ -127,6 +127,51 @@ def test_two_images_of_different_aspect(edit_export, pipe):
         generate(Bundle(edit_export), Request(PROMPT, image=images, nearest_condition_size=True))
 
 
+def test_a_model_that_records_its_own_condition_areas(shared_dir, cache_dir, edit_ckpt, tmp_path):
+    """A checkpoint whose model_index.json records its own areas (`_qic_condition_areas`, as the trained
+    embedded:shapes-edit does) is sized at them with no flag: VAE side and vision side at 96*64 pixels (the vision
+    grids of its graphs too) and the output at the last picture's aspect at 96*64, 64x96 here; the reference is the
+    pipeline with both its area constants patched to those (and the output size given: its default's area is a third
+    constant). At the pipeline's own areas the same pictures are refused (1024*1024 is no built size)."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+
+    from tests.qwen_image_edit_checkpoint import load_pipeline
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(edit_ckpt, ckpt)
+    index = json.loads((ckpt / "model_index.json").read_text())
+    areas = {"vae": REFERENCE_VAE_AREA, "vision": REFERENCE_VAE_AREA}
+    (ckpt / "model_index.json").write_text(json.dumps(index | {"_qic_condition_areas": areas}))
+    common = ["--cache-dir", cache_dir, "--text-buckets", BUCKET, "--resolution", "64x96", "--condition-images", 2,
+              "--backend", "export", *(a for s in SIZES for a in ("--condition-size", "{}x{}".format(*s)))]
+    qic("build", "--model", ckpt, *common, "--output", tmp_path / "own")
+    manifest = json.loads((tmp_path / "own" / "manifest.json").read_text())
+    assert manifest["conditions"]["areas"] == [REFERENCE_VAE_AREA, REFERENCE_VAE_AREA]
+    paths = []
+    for i, img in enumerate(_pictures(2)):
+        paths += ["--image", tmp_path / f"in{i}.png"]
+        img.save(tmp_path / f"in{i}.png")
+    settings = ["--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--guidance", GUIDANCE, "--seed", SEED, "--steps",
+                STEPS]
+    qic("run", tmp_path / "own", *settings, *paths, "--output", tmp_path / "own.png")
+    ref_pipe = load_pipeline(ckpt)
+    ref_pipe.set_progress_bar_config(disable=True)
+
+    def reference(vision_area: int):
+        with mock.patch.object(plus, "VAE_IMAGE_SIZE", REFERENCE_VAE_AREA), \
+                mock.patch.object(plus, "CONDITION_IMAGE_SIZE", vision_area):
+            return ref_pipe(image=_pictures(2), prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE,
+                            height=64, width=96, num_inference_steps=STEPS,
+                            generator=torch.Generator().manual_seed(SEED)).images[0]
+    ours = Image.open(tmp_path / "own.png")
+    assert ours.size == (96, 64) and _within(ours, reference(REFERENCE_VAE_AREA))
+    # the vision side at the pipeline's 384*384 instead (the record's vision area ignored): outside the bound
+    assert not _within(ours, reference(plus.CONDITION_IMAGE_SIZE))
+    # the same pictures on a bundle of the same sizes at the pipeline's areas: refused, naming the size they take
+    qic("build", "--model", edit_ckpt, *common, "--output", tmp_path / "theirs")
+    r = qic("run", tmp_path / "theirs", *settings, *paths, "--output", tmp_path / "no.png", check=False)
+    assert r.returncode == 2 and "resizes to 1024x1024" in r.stderr and not (tmp_path / "no.png").exists(), r.stderr
+
+
 def test_broken_variants_leave_the_bound(edit_export, pipe, monkeypatch):
     """Condition latents left out (zeros), the condition images at the output's RoPE frame (0), the vision features
     left out of the prompt: each leaves the bound the right run holds."""

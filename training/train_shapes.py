@@ -225,6 +225,20 @@ def shifted(u: torch.Tensor, mu: float) -> torch.Tensor:
     return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
 
 
+def optimiser_step(loss, tr, ema, opt, sched, i: int, ema_decay: float) -> None:
+    """One step of the denoiser's optimiser (gradients clipped to norm 1) and of its EMA, whose decay warms up as
+    (1 + i) / (10 + i) to `ema_decay`."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    d = min(ema_decay, (1 + i) / (10 + i))
+    with torch.no_grad():
+        for pe, p in zip(ema.parameters(), tr.parameters()):
+            pe.lerp_(p, 1 - d)
+
+
 def train_denoiser(tr, ema, data, embeds, configs, cfg, seed, losses, evals, pipe) -> None:
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -253,15 +267,7 @@ def train_denoiser(tr, ema, data, embeds, configs, cfg, seed, losses, evals, pip
         v = tr(hidden_states=xt, encoder_hidden_states=txt, encoder_hidden_states_mask=mask, timestep=s.view(b),
                img_shapes=[(1, h // 16, w // 16)] * b, return_dict=False)[0]
         loss = (v - (noise - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        d = min(cfg["ema"], (1 + i) / (10 + i))
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), tr.parameters()):
-                pe.lerp_(p, 1 - d)
+        optimiser_step(loss, tr, ema, opt, sched, i, cfg["ema"])
         losses.append((i, float(loss)))
         if i % 100 == 0 or i == steps - 1:
             log(f"denoiser {i}/{steps} loss {float(loss):.4f} lr {sched.get_last_lr()[0]:.2e}")
@@ -469,23 +475,34 @@ def phase2(args, cfg: dict, first: Path, out: Path) -> tuple[dict, list]:
     return meta, losses
 
 
+def add_common_args(ap: argparse.ArgumentParser, data_dir: Path) -> None:
+    """The training scripts' shared flags: --smoke, --out, --seed."""
+    ap.add_argument("--smoke", action="store_true", help="a few iterations of every stage")
+    ap.add_argument("--out", type=Path, default=None, help=f"output folder (default {data_dir})")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def start(args, ap: argparse.ArgumentParser, full: dict, smoke: dict, data_dir: Path) -> tuple[dict, Path]:
+    """(settings, output folder) of a run; the package data is written only by a full run. Seeds torch and fixes
+    the thread count, so a run repeats on one machine."""
+    out = args.out or (None if args.smoke else data_dir)
+    if out is None:
+        ap.error("--smoke needs --out (the package data is written only by a full run)")
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(args.seed)
+    return (smoke if args.smoke else full), out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="a few iterations of every stage")
-    ap.add_argument("--out", type=Path, default=None, help=f"output folder (default {DATA_DIR})")
+    add_common_args(ap, DATA_DIR)
     ap.add_argument("--work", type=Path, default=None,
                     help="where phase 1's export goes (default OUT/../shapes-phase1, or a temporary folder)")
     ap.add_argument("--phase1", type=Path, default=None,
                     help="an earlier phase-1 export of these settings: run phase 2 only, from it")
     ap.add_argument("--plot", type=Path, default=None, help=f"loss plot (default {PLOT}; none in smoke mode)")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    cfg = SMOKE if args.smoke else FULL
-    out = args.out or (None if args.smoke else DATA_DIR)
-    if out is None:
-        ap.error("--smoke needs --out (the package data is written only by a full run)")
-    torch.set_num_threads(THREADS)
-    torch.manual_seed(args.seed)
+    cfg, out = start(args, ap, FULL, SMOKE, DATA_DIR)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="qic-shapes-phase1-") as tmp:
         first = args.phase1

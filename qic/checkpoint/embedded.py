@@ -83,6 +83,28 @@ MODEL_INDEX = {
     "vae": ["diffusers", "AutoencoderKLQwenImage"],
 }
 
+# An edit preset's processor folder (the Edit checkpoints' processor/): Qwen2.5-VL's published preprocessor_config.json
+# (Qwen/Qwen-Image-Edit-2509's), beside the tokenizer files and the chat template.
+PREPROCESSOR_CONFIG = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
+                       "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                       "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": 3136,
+                       "max_pixels": 12845056}
+# model_index.json's record of a model's own condition-image areas (pixels; qic.spec.condition_areas reads it).
+# diffusers' pipelines ignore keys that start with "_" and resize to their module constants (VAE_IMAGE_SIZE,
+# CONDITION_IMAGE_SIZE), so a diffusers user of such a model patches those two.
+CONDITION_AREAS_KEY = "_qic_condition_areas"
+
+
+def model_index(p: Mapping) -> dict:
+    """model_index.json of a preset: QwenImagePipeline's, or for an edit preset (`edit`: its pipeline class and
+    condition areas) that pipeline's, with a processor."""
+    edit = p.get("edit")
+    if not edit:
+        return dict(MODEL_INDEX)
+    return MODEL_INDEX | {"_class_name": edit["pipeline"], "processor": ["transformers", "Qwen2VLProcessor"],
+                          CONDITION_AREAS_KEY: dict(edit["areas"])}
+
+
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -369,7 +391,7 @@ def _generate(root: Path, p: Mapping, marker: dict, seed: int, tokenizer_json: b
     def state(component: str) -> dict[str, torch.Tensor]:
         return weights(component) if weights else component_state_dict(component, p[component], seed)
 
-    (root / "model_index.json").write_bytes(_json_bytes(MODEL_INDEX))
+    (root / "model_index.json").write_bytes(_json_bytes(model_index(p)))
 
     d = root / "scheduler"
     d.mkdir()
@@ -379,6 +401,13 @@ def _generate(root: Path, p: Mapping, marker: dict, seed: int, tokenizer_json: b
     d.mkdir()
     for name, data in tokenizer_files(tokenizer_json).items():
         (d / name).write_bytes(data)
+
+    if p.get("edit"):
+        d = root / "processor"
+        d.mkdir()
+        for name, data in tokenizer_files(tokenizer_json).items():
+            (d / name).write_bytes(data)
+        (d / "preprocessor_config.json").write_bytes(_json_bytes(PREPROCESSOR_CONFIG))
 
     d = root / "text_encoder"
     d.mkdir()
@@ -454,13 +483,14 @@ def write_checkpoint(out_dir: str | Path, preset_name: str = "tiny", seed: int =
 
 
 def write_checkpoint_from_configs(out_dir: str | Path, configs: Mapping, label: str, seed: int = 0, *,
-                                  shards: Mapping[str, int] = DEFAULT_SHARDS) -> Path:
-    """Like write_checkpoint, for given component configs (keys text_encoder, transformer, vae, scheduler;
-    e.g. the real Qwen-Image's at reduced depth): the same recipe, tokenizer and layout. Reused when the
-    directory holds this generator's checkpoint of the same configs (by digest), label and seed."""
+                                  shards: Mapping[str, int] = DEFAULT_SHARDS, weights=None) -> Path:
+    """Like write_checkpoint, for given component configs (keys text_encoder, transformer, vae, scheduler, and
+    `edit` for an edit model; e.g. the real Qwen-Image's at reduced depth): the same recipe, tokenizer and layout,
+    or `weights(component)`'s state dicts (then `label` must name them: it is what the reuse check keys on). Reused
+    when the directory holds this generator's checkpoint of the same configs (by digest), label and seed."""
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()
     marker = _marker(label, seed, True) | {"configs_sha256": digest}
-    return _write(Path(out_dir), configs, marker, seed, True, shards)
+    return _write(Path(out_dir), configs, marker, seed, True, shards, weights)
 
 
 def _write(out_dir: Path, configs: Mapping, marker: dict, seed: int, tokenizer_json: bool,

@@ -201,6 +201,17 @@ def shapes_architecture() -> dict:
     }
 
 
+# The trained edit model's pipeline and condition areas: its pictures are the shapes model's (128*128 pixels), so a
+# condition image keeps its size on both sides (the real Edit Plus: 1024*1024 VAE side, 384*384 vision side).
+SHAPES_EDIT = {"pipeline": "QwenImageEditPlusPipeline", "areas": {"vae": 128 * 128, "vision": 128 * 128}}
+
+
+def shapes_edit_architecture(shapes: dict) -> dict:
+    """The trained `shapes-edit` model's configs (training/train_shapes_edit.py): the trained `shapes` model's
+    `shapes` (its text encoder, denoiser and VAE, which training starts from) as an Edit Plus model."""
+    return copy.deepcopy(shapes) | {"edit": copy.deepcopy(SHAPES_EDIT)}
+
+
 def _trained_presets() -> dict:
     """The trained models' presets (qic/checkpoint/trained.py), when their package data is present."""
     from qic.checkpoint import trained
@@ -225,6 +236,20 @@ def default_resolutions(model: str | None) -> tuple[tuple[int, int], ...]:
         return ((48, 80),)
     p = PRESETS.get(model.removeprefix("embedded:") if model else DEFAULT, {})
     return tuple(tuple(r) for r in p.get("default_resolutions", ((48, 80),)))
+
+
+# An embedded edit model's text bucket: the Edit Plus template with one picture is 167 tokens in the embedded
+# tokenizer (its system prompt is 149 tokens where Qwen's vocabulary needs 64), and the edit grammar's longest
+# instruction 7 more, so the text-to-image default of 128 cannot hold it.
+EDIT_TEXT_BUCKET = 192
+
+
+def default_text_buckets(model: str | None) -> tuple[int, ...]:
+    """A build's text buckets when none are given: 128, or an embedded edit preset's EDIT_TEXT_BUCKET."""
+    if model is not None and model.startswith("embedded:") and PRESETS.get(model.removeprefix("embedded:"), {}).get(
+            "edit"):
+        return (EDIT_TEXT_BUCKET,)
+    return (128,)
 
 
 def preset(name: str) -> dict:

@@ -37,7 +37,7 @@ from qic.models.qwen_image.graphs import (
     vae_encoder_graph,
     vision_graph,
 )
-from qic.models.qwen_image.host.conditions import LATENT_PATCH, PLUS, V1, built_grid, slots
+from qic.models.qwen_image.host.conditions import LATENT_PATCH, PLUS, V1, VISION_AREA, built_grid, slots
 from qic.models.qwen_image.mmdit import LoopedMMDiT, MMDiTConfig, QwenMMDiT, mmdit_state_dict
 from qic.models.qwen_image.text_encoder import (
     LoopedTextEncoder,
@@ -68,7 +68,12 @@ def edit_kind(spec) -> str:
 
 
 def _edit(spec) -> dict:
-    return {"edit": V1} if edit_kind(spec) == V1 else {}   # Edit Plus's shapes name no kind (the first built)
+    """How the shapes of an edit build's graphs size vision inputs: Edit's kind (Edit Plus's shapes name no kind, the
+    first built), and a model's own vision-side area where it records one (spec.condition_areas)."""
+    if edit_kind(spec) == V1:
+        return {"edit": V1}
+    area = spec.condition_areas[1] if spec.condition_areas else VISION_AREA
+    return {} if area == VISION_AREA else {"vision_area": area}
 
 
 def _conditions(spec) -> dict:
@@ -122,7 +127,7 @@ def grid_settings(vision: VisionConfig) -> dict:
 def _capacity(configs, shape) -> tuple[int, int]:
     """(vision-token slots, condition latent tokens) of an images form's shape."""
     return slots([tuple(s) for s in shape["conditions"]], shape["images"], grid_settings(configs["vision"]),
-                 shape.get("edit", PLUS))
+                 shape.get("edit", PLUS), shape.get("vision_area", VISION_AREA))
 
 
 def _text_encoder_graph(module, configs, shape, dtype, layout):
@@ -133,8 +138,9 @@ def _text_encoder_graph(module, configs, shape, dtype, layout):
 
 def _vision_graph(module, configs, shape, dtype, layout):
     size = tuple(shape["resolution"])
-    return vision_graph(module, *size, built_grid(size, grid_settings(configs["vision"]), shape.get("edit", PLUS)),
-                        dtype)
+    grid = built_grid(size, grid_settings(configs["vision"]), shape.get("edit", PLUS),
+                      shape.get("vision_area", VISION_AREA))
+    return vision_graph(module, *size, grid, dtype)
 
 
 def _vae_encoder_shapes(spec) -> list[dict]:
@@ -301,9 +307,10 @@ def _check_edit(spec, ctx) -> None:
         raise ConfigError(f"{ctx.ckpt.root / 'processor'}: the image processor's patch/merge sizes "
                           f"{proc['patch_size']}/{proc['merge_size']} differ from the vision tower's "
                           f"{vision.patch_size}/{vision.spatial_merge_size}")
+    area = _edit(spec).get("vision_area", VISION_AREA)
     for size in spec.condition_sizes:
         kind = EDIT_CLASSES[cls]
-        if built_grid(size, proc, kind) != built_grid(size, grid_settings(vision), kind):
+        if built_grid(size, proc, kind, area) != built_grid(size, grid_settings(vision), kind, area):
             raise ConfigError(f"condition size {size[0]}x{size[1]}: the checkpoint's image processor bounds its "
                               f"pixels ({proc['min_pixels']}..{proc['max_pixels']}) so that the vision grid is not the "
                               "published processor's", "use a condition size within those bounds")
@@ -328,13 +335,15 @@ def manifest_fields(spec, ctx) -> dict:
     if spec.condition_sizes:
         proc = image_processor_settings(ctx.ckpt.root / "processor", QWEN2_5_VL)
         kind = edit_kind(spec)
-        n_slots, cond_tokens = slots(spec.condition_sizes, spec.condition_images, proc, kind)
+        area = _edit(spec).get("vision_area", VISION_AREA)
+        n_slots, cond_tokens = slots(spec.condition_sizes, spec.condition_images, proc, kind, area)
         edit = {"prompt": {"drop_tokens": EDIT_DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
                 "conditions": {"edit": kind, "sizes": [list(s) for s in spec.condition_sizes],
                                "images": spec.condition_images,
-                               "grids": [list(built_grid(s, proc, kind)) for s in spec.condition_sizes],
+                               "grids": [list(built_grid(s, proc, kind, area)) for s in spec.condition_sizes],
                                "slots": n_slots, "cond_tokens": cond_tokens, "processor": proc,
-                               "image_token_id": ctx.configs["text_encoder"].image_token_id},
+                               "image_token_id": ctx.configs["text_encoder"].image_token_id}
+                | ({"areas": list(spec.condition_areas)} if spec.condition_areas else {}),
                 "denoiser": {"axes_dims_rope": list(den.axes_dims_rope)}}
     return {
         "resolutions": [list(r) for r in spec.resolutions],

@@ -21,6 +21,7 @@ Host code only: no nn.Module, no model definition (the runtime imports it by nam
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -37,8 +38,8 @@ from qic.host.schedule import flow_match_schedule
 from qic.models.qwen_image.host.conditions import (
     LATENT_PATCH,
     V1,
-    VAE_AREA,
     Sized,
+    areas,
     read_images,
     size_images,
     vision_input,
@@ -79,15 +80,19 @@ def _defaults(model, req: Request):
         req.seed = 0
     derived = req.height is None and req.width is None
     if derived:
-        # the pipelines': the last image's aspect at 1024*1024 pixels (Edit's one image), cut to multiples of 16
+        # the pipelines': the last image's aspect at 1024*1024 pixels (Edit's one image; a model's own VAE-side
+        # area where it records one), cut to multiples of 16
         last = images[-1]
-        h, w = calculate_dimensions(VAE_AREA, last.width / last.height)
+        h, w = calculate_dimensions(areas(cond)[0], last.width / last.height)
         req.height, req.width = h // LATENT_PATCH * LATENT_PATCH, w // LATENT_PATCH * LATENT_PATCH
     if req.height is None or req.width is None:
         raise ConfigError("give both --height and --width, or neither")
     if derived and (req.height, req.width) not in [tuple(r) for r in model.resolutions]:
         built = ", ".join(f"{a}x{b}" for a, b in model.resolutions)
-        raise ConfigError(f"the output size follows the last image's aspect at 1024*1024 pixels, {req.height}x"
+        area = areas(cond)[0]
+        side = math.isqrt(area)
+        raise ConfigError(f"the output size follows the last image's aspect at "
+                          f"{f'{side}*{side}' if side * side == area else area} pixels, {req.height}x"
                           f"{req.width}, which this bundle was not built for (it has: {built})",
                           "give --height and --width of a built resolution, or rebuild with --resolution")
     model.check_resolution(req.height, req.width)

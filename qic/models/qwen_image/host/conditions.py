@@ -27,6 +27,8 @@ from qic.host.vl_processor import vision_pixels
 
 VAE_AREA = 1024 * 1024      # the pipeline's VAE_IMAGE_SIZE
 VISION_AREA = 384 * 384     # its CONDITION_IMAGE_SIZE
+# A model may record its own two areas (qic.spec.condition_areas: the trained shapes-edit model's 128*128): the
+# manifest's conditions.areas then, and the graph shapes' vision_area.
 LATENT_PATCH = 16           # pixels per condition latent token: the 8x VAE, packed 2x2
 
 
@@ -38,12 +40,18 @@ class Sized:
     grid: tuple[int, int]       # the processor's grid in patches
 
 
-def vision_side(height: int, width: int) -> tuple[int, int]:
-    return calculate_dimensions(VISION_AREA, width / height)
+def vision_side(height: int, width: int, area: int = VISION_AREA) -> tuple[int, int]:
+    return calculate_dimensions(area, width / height)
 
 
-def vae_side(height: int, width: int) -> tuple[int, int]:
-    return calculate_dimensions(VAE_AREA, width / height)
+def vae_side(height: int, width: int, area: int = VAE_AREA) -> tuple[int, int]:
+    return calculate_dimensions(area, width / height)
+
+
+def areas(conditions: dict) -> tuple[int, int]:
+    """A bundle's (VAE side, vision side) areas: its manifest's, else the pipeline's."""
+    vae, vision = conditions.get("areas") or (VAE_AREA, VISION_AREA)
+    return int(vae), int(vision)
 
 
 def grid_of(size: tuple[int, int], proc: dict) -> tuple[int, int]:
@@ -54,9 +62,10 @@ def grid_of(size: tuple[int, int], proc: dict) -> tuple[int, int]:
 PLUS, V1 = "plus", "v1"   # the two Edit pipelines' ways (the manifest's conditions.edit)
 
 
-def built_grid(condition_size: tuple[int, int], proc: dict, edit: str = PLUS) -> tuple[int, int]:
+def built_grid(condition_size: tuple[int, int], proc: dict, edit: str = PLUS,
+               vision_area: int = VISION_AREA) -> tuple[int, int]:
     """The vision grid a condition size's graphs are built for: that of an image of the size's own aspect."""
-    return grid_of(condition_size if edit == V1 else vision_side(*condition_size), proc)
+    return grid_of(condition_size if edit == V1 else vision_side(*condition_size, vision_area), proc)
 
 
 def vision_tokens(grid: tuple[int, int], merge: int) -> int:
@@ -67,11 +76,11 @@ def latent_tokens(size: tuple[int, int]) -> int:
     return (size[0] // LATENT_PATCH) * (size[1] // LATENT_PATCH)
 
 
-def slots(sizes, images: int, proc: dict, edit: str = PLUS) -> tuple[int, int]:
+def slots(sizes, images: int, proc: dict, edit: str = PLUS, vision_area: int = VISION_AREA) -> tuple[int, int]:
     """(vision-token slots, condition latent tokens): the capacity of `images` images of the largest size."""
     if not sizes:
         return 0, 0
-    return (images * max(vision_tokens(built_grid(s, proc, edit), proc["merge_size"]) for s in sizes),
+    return (images * max(vision_tokens(built_grid(s, proc, edit, vision_area), proc["merge_size"]) for s in sizes),
             images * max(latent_tokens(s) for s in sizes))
 
 
@@ -93,16 +102,17 @@ def size_images(images: list[Image.Image], conditions: dict, nearest: bool = Fal
     fitted so."""
     built = {tuple(s): tuple(g) for s, g in zip(conditions["sizes"], conditions["grids"])}
     proc, v1 = conditions["processor"], conditions.get("edit") == V1
+    vae_area, vision_area = areas(conditions)
     out, fitted = [], []
     for i, img in enumerate(images):
-        vae = vae_side(img.height, img.width)
-        vision = vae if v1 else vision_side(img.height, img.width)
+        vae = vae_side(img.height, img.width, vae_area)
+        vision = vae if v1 else vision_side(img.height, img.width, vision_area)
         grid = grid_of(vision, proc)
         if (vae not in built or built[vae] != grid) and nearest:
             h, w = vae
             near = min(built, key=lambda s: (abs(math.log((s[1] / s[0]) / (w / h))), abs(s[0] * s[1] - h * w)))
             fitted.append(f"image {i + 1}: {h}x{w} -> {near[0]}x{near[1]}")
-            vae, vision = near, near if v1 else vision_side(*near)
+            vae, vision = near, near if v1 else vision_side(*near, vision_area)
             grid = built[near]
         if vae not in built:
             raise ConfigError(
