@@ -73,6 +73,15 @@ def test_training_smoke_mode_writes_loadable_weights(tmp_path):
     assert meta["base"] == {"model": "shapes", "files": {f: trained.record("shapes")["files"][f]
                                                          for f in ("text_encoder.safetensors", "vae.safetensors")}}
     assert meta["training"]["command"].endswith("--smoke")
+    # another cycle from that export (--resume): its record names the one it started from
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, "-m", "training.train_shapes_edit", "--smoke", "--resume", str(out),
+                           "--steps", "2", "--out", str(again)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta2 = json.loads((again / "trained.json").read_text())
+    assert meta2["training"]["previous"] == {"files": meta["files"], "training": meta["training"]}
+    assert meta2["training"]["settings"]["steps"] == 2 and "--resume" in meta2["training"]["command"]
 
 
 def test_the_trainer_samples_training_pairs_only(monkeypatch):

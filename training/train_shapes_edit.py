@@ -3,6 +3,7 @@ picture of the shapes world by an instruction of training/shapes_edit.py's gramm
 
     python -m training.train_shapes_edit                # the full run (about an hour on 2 CPU cores), writes the
                                                         # package data in qic/checkpoint/data/shapes-edit/
+    python -m training.train_shapes_edit --resume DIR [--steps N --lr X]   # another cosine cycle from an export
     python -m training.train_shapes_edit --smoke --out DIR   # a few iterations of every stage (make test)
 
 It starts from the trained `shapes` model (qic/checkpoint/data/shapes/): its text encoder (random, frozen, with
@@ -268,11 +269,27 @@ def export(out_dir: Path, transformer_sd: dict, configs: dict, record: dict) -> 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap, DATA_DIR)
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="an earlier export of this script: another cosine cycle (a warm restart, fresh optimiser) "
+                         "from its denoiser, as train_shapes' phase 2")
+    ap.add_argument("--steps", type=int, default=None, help="denoiser steps (default: the settings')")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the settings')")
     args = ap.parse_args(argv)
     cfg, out = start(args, ap, FULL, SMOKE, DATA_DIR)
+    cfg = cfg | {k: v for k, v in (("steps", args.steps), ("lr", args.lr)) if v is not None}
+    previous = None
+    if args.resume:
+        from safetensors.torch import load
+        previous = json.loads((args.resume / "trained.json").read_text())
+        data = (args.resume / "transformer.safetensors").read_bytes()
+        if hashlib.sha256(data).hexdigest() != previous["files"]["transformer.safetensors"]:
+            raise SystemExit(f"{args.resume / 'transformer.safetensors'}: sha256 differs from its trained.json")
+        resumed = {k: v.float() for k, v in load(data).items()}
     t0, times = time.time(), {}
     with tempfile.TemporaryDirectory(prefix="qic-shapes-edit-") as tmp:
         configs, pipe = start_pipeline(Path(tmp))
+        if previous is not None:
+            pipe.transformer.load_state_dict(resumed)
         areas = configs["edit"]["areas"]
         encoding = check_encoding(pipe, areas)
         t = time.time()
@@ -287,7 +304,10 @@ def main(argv=None) -> int:
         times["denoiser_s"] = time.time() - t
         final = evaluate(pipe, ema, areas, 2 * cfg["eval_pairs"]) if not args.smoke else {}
         record = {
-            "command": "python -m training.train_shapes_edit" + (" --smoke" if args.smoke else ""),
+            "command": "python -m training.train_shapes_edit" + (" --smoke" if args.smoke else "")
+                       + "".join(f" --{k} {v}" for k, v in (("resume", args.resume), ("steps", args.steps),
+                                                             ("lr", args.lr)) if v is not None),
+            "previous": previous and {"files": previous["files"], "training": previous["training"]},
             "seed": args.seed, "threads": THREADS, "settings": cfg, "cfg_drop": CFG_DROP,
             "resolutions": [list(r) for r in RESOLUTIONS], "negative_prompt": NEGATIVE, "torch": torch.__version__,
             "prompt_encoding_max_abs": encoding, "eval_before_training": before,
