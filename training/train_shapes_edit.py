@@ -192,14 +192,15 @@ def train_denoiser(pipe, tr, ema, data, configs, cfg, seed, losses, evals) -> No
         pics = [vision_picture(pipe, shapes.render(*t, h, w, float(sizes[k])), areas) for (_, t), k in zip(picks, ks)]
         txt, mask = encode_batch(pipe, prompts, pics)
         b, n = x0.shape[:2]
-        if cfg["t_sampling"] == "logit_normal":
-            u = torch.sigmoid(torch.randn(b, generator=gen)).clamp(1e-4, 1 - 1e-4)
-        elif cfg["t_sampling"] == "high":   # uniform, and a share of the batch at high noise, where the edit is decided
-            u = torch.rand(b, generator=gen)
-            high = torch.rand(b, generator=gen) < cfg["high_share"]
-            u = torch.where(high, 1 - (1 - cfg["high_from"]) * u, u).clamp(1e-4, 1 - 1e-4)
+        if cfg["t_sampling"] in ("logit_normal", "logit_normal_high"):   # most samples at mid noise (the shapes)
+            u = torch.sigmoid(torch.randn(b, generator=gen))
         else:
-            u = torch.rand(b, generator=gen).clamp(1e-4, 1 - 1e-4)
+            u = torch.rand(b, generator=gen)
+        if cfg["t_sampling"].endswith("high"):   # and a share of the batch at high noise, where the edit is decided
+            high = torch.rand(b, generator=gen) < cfg["high_share"]
+            r = u if cfg["t_sampling"] == "high" else torch.rand(b, generator=gen)   # "high" reuses its uniform
+            u = torch.where(high, 1 - (1 - cfg["high_from"]) * r, u)
+        u = u.clamp(1e-4, 1 - 1e-4)
         s = shifted(u, mu_of(n, configs["scheduler"])).view(b, 1, 1)
         noise = torch.randn(x0.shape, generator=gen)
         xt = (1 - s) * x0 + s * noise
@@ -274,9 +275,15 @@ def main(argv=None) -> int:
                          "from its denoiser, as train_shapes' phase 2")
     ap.add_argument("--steps", type=int, default=None, help="denoiser steps (default: the settings')")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the settings')")
+    ap.add_argument("--t-sampling", choices=("uniform", "high", "logit_normal", "logit_normal_high"), default=None,
+                    help="noise levels (default: the settings'); *_high: with high_share of the batch at u >= "
+                         "high_from")
+    ap.add_argument("--high-share", type=float, default=None, help="(default: the settings')")
     args = ap.parse_args(argv)
     cfg, out = start(args, ap, FULL, SMOKE, DATA_DIR)
-    cfg = cfg | {k: v for k, v in (("steps", args.steps), ("lr", args.lr)) if v is not None}
+    overrides = (("steps", args.steps), ("lr", args.lr), ("t_sampling", args.t_sampling),
+                 ("high_share", args.high_share))
+    cfg = cfg | {k: v for k, v in overrides if v is not None}
     previous = None
     if args.resume:
         from safetensors.torch import load
@@ -305,8 +312,8 @@ def main(argv=None) -> int:
         final = evaluate(pipe, ema, areas, 2 * cfg["eval_pairs"]) if not args.smoke else {}
         record = {
             "command": "python -m training.train_shapes_edit" + (" --smoke" if args.smoke else "")
-                       + "".join(f" --{k} {v}" for k, v in (("resume", args.resume), ("steps", args.steps),
-                                                             ("lr", args.lr)) if v is not None),
+                       + "".join(f" --{k.replace('_', '-')} {v}" for k, v in (("resume", args.resume), *overrides)
+                                 if v is not None),
             "previous": previous and {"files": previous["files"], "training": previous["training"]},
             "seed": args.seed, "threads": THREADS, "settings": cfg, "cfg_drop": CFG_DROP,
             "resolutions": [list(r) for r in RESOLUTIONS], "negative_prompt": NEGATIVE, "torch": torch.__version__,
