@@ -72,8 +72,13 @@ def _edit(spec) -> dict:
     first built), and a model's own vision-side area where it records one (spec.condition_areas)."""
     if edit_kind(spec) == V1:
         return {"edit": V1}
-    area = spec.condition_areas[1] if spec.condition_areas else VISION_AREA
+    area = _vision_area(spec)
     return {} if area == VISION_AREA else {"vision_area": area}
+
+
+def _vision_area(spec) -> int:
+    """The vision-side area an Edit Plus build sizes condition images to: the model's own, else the pipeline's."""
+    return spec.condition_areas[1] if spec.condition_areas else VISION_AREA
 
 
 def _conditions(spec) -> dict:
@@ -307,7 +312,7 @@ def _check_edit(spec, ctx) -> None:
         raise ConfigError(f"{ctx.ckpt.root / 'processor'}: the image processor's patch/merge sizes "
                           f"{proc['patch_size']}/{proc['merge_size']} differ from the vision tower's "
                           f"{vision.patch_size}/{vision.spatial_merge_size}")
-    area = _edit(spec).get("vision_area", VISION_AREA)
+    area = _vision_area(spec)
     for size in spec.condition_sizes:
         kind = EDIT_CLASSES[cls]
         if built_grid(size, proc, kind, area) != built_grid(size, grid_settings(vision), kind, area):
@@ -335,7 +340,7 @@ def manifest_fields(spec, ctx) -> dict:
     if spec.condition_sizes:
         proc = image_processor_settings(ctx.ckpt.root / "processor", QWEN2_5_VL)
         kind = edit_kind(spec)
-        area = _edit(spec).get("vision_area", VISION_AREA)
+        area = _vision_area(spec)
         n_slots, cond_tokens = slots(spec.condition_sizes, spec.condition_images, proc, kind, area)
         edit = {"prompt": {"drop_tokens": EDIT_DROP_TOKENS, "max_tokens": MAX_PROMPT_TOKENS},
                 "conditions": {"edit": kind, "sizes": [list(s) for s in spec.condition_sizes],
