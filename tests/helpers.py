@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -217,3 +219,17 @@ def images_only_processor(processor_class, proc_dir):
     with mock.patch.object(processor_class, "get_attributes", classmethod(lambda _: parts)):
         return processor_class(image_processor=image_processor, tokenizer=tokenizer,
                                chat_template=(proc_dir / "chat_template.jinja").read_text())
+
+
+def scaled_checkpoint(src: Path, dst: Path, factor: float) -> Path:
+    """A copy of a checkpoint with its transformer's and text encoder's matrices (not the token embedding) scaled by
+    `factor`: the sensitized draw (sensitize_) made gentle enough that one bf16 forward is a small relative error, as
+    in a real model, for the bf16 fidelity checks."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    for folder in ("transformer", "text_encoder"):
+        for f in (dst / folder).glob("*.safetensors"):
+            sd = load_file(str(f))
+            save_file({k: v * factor if v.dim() >= 2 and "embed_tokens" not in k else v for k, v in sd.items()},
+                      str(f), metadata={"format": "pt"})
+    return dst

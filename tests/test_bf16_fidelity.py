@@ -18,28 +18,20 @@ that rounding away, XLA would not.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
 
 from tests.conftest import TINY_RES, diffusers_image, image_diff, pixels, qic
+from tests.helpers import scaled_checkpoint
 
 PROMPT, NEGATIVE, STEPS, SEED, GUIDANCE = "a red bicycle leaning on a wall", "blurry", 4, 2, 4.0
 
 
 @pytest.fixture(scope="module")
 def halved_ckpt(tiny_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("halved") / "ckpt"
-    shutil.copytree(tiny_ckpt, root)
-    for folder in ("transformer", "text_encoder"):
-        for f in (root / folder).glob("*.safetensors"):
-            sd = load_file(str(f))
-            save_file({k: v * 0.5 if v.dim() >= 2 and "embed_tokens" not in k else v for k, v in sd.items()},
-                      str(f), metadata={"format": "pt"})
-    return root
+    return scaled_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("halved") / "ckpt", 0.5)
 
 
 @pytest.mark.slow
