@@ -202,7 +202,8 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
                           f"{' and '.join(fam.backends)} back end{'s' if len(fam.backends) > 1 else ''}, not {backend} "
                           "(not yet)", f"build with --backend {fam.backends[0]}")
     known = family.names(fam)
-    pipeline_class = model_class(model)
+    index = _model_index(model)   # read once: the pipeline class and the condition areas are both its keys
+    pipeline_class = (index or {}).get("_class_name")
     condition_sizes, condition_images = _conditions(
         raw, at, embedded_condition_defaults(model) or fam.condition_defaults.get(pipeline_class))
     components = _components(raw, fam, bool(condition_sizes), at)
@@ -211,7 +212,7 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         model=model,
         family=fam.name,
         pipeline_class=pipeline_class,
-        condition_areas=condition_areas(model),
+        condition_areas=_condition_areas(model, index),
         backend=backend,
         device=device,
         tp=tp,
@@ -589,9 +590,13 @@ def condition_areas(model: str | None) -> tuple[int, int] | None:
     """(VAE side, vision side) pixel areas an edit model records as its own (qic.checkpoint.embedded
     .CONDITION_AREAS_KEY: the trained shapes-edit model's pictures keep their 128*128 pixels); None for the
     pipeline's own. A malformed record is refused naming the key."""
+    return _condition_areas(model, _model_index(model))
+
+
+def _condition_areas(model: str | None, index: dict | None) -> tuple[int, int] | None:
     from qic.checkpoint.embedded import CONDITION_AREAS_KEY
 
-    areas = (_model_index(model) or {}).get(CONDITION_AREAS_KEY)
+    areas = (index or {}).get(CONDITION_AREAS_KEY)
     if areas is None:
         return None
     try:
