@@ -34,6 +34,20 @@ def halved_ckpt(tiny_ckpt, tmp_path_factory):
     return scaled_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("halved") / "ckpt", 0.5)
 
 
+def bf16_floor(reference) -> tuple[float, float]:
+    """(floor, amplitude): the mean pixel error, in levels, below which an image cannot have been made in bf16.
+
+    bf16 keeps 8 significant bits, so one rounding moves a value by up to 2^-8 of itself, 0.72 * 2^-9 on average; a
+    bf16 pipeline rounds every activation, the text embeddings and each step's velocity, many times over. A pixel is
+    127.5 * (1 + x): a single such rounding of the image itself would move it by about 127.5 * |x| * 2^-9 levels, and
+    rounding to 0..255 keeps that mean (E|round(a + d) - round(a)| = |d| for a fractional part placed at random).
+    Floor: half of that, so below even one rounding's worth (0.045 for the text-to-image check's image; qic bf16
+    measured 0.76). An fp32 bundle differs from diffusers only in summation order (~1e-5 relative, ~1e-3 levels):
+    built so (dtype ignored), that image measured mean 0.00, max 0."""
+    amplitude = float(abs(pixels(reference) / 127.5 - 1).mean())
+    return 0.5 * 127.5 * amplitude * 2**-9, amplitude
+
+
 @pytest.mark.slow
 def test_bf16_bundle_is_no_worse_than_diffusers_bf16(halved_ckpt, tmp_path, cache_dir):
     config = tmp_path / "bf16.yaml"
@@ -58,16 +72,7 @@ def test_bf16_bundle_is_no_worse_than_diffusers_bf16(halved_ckpt, tmp_path, cach
     theirs_max, theirs_mean = image_diff(theirs, reference)
     print(f"vs diffusers fp32: qic bf16 max {ours_max:.0f} mean {ours_mean:.2f}; "
           f"diffusers bf16 max {theirs_max:.0f} mean {theirs_mean:.2f} (0..255)")
-    # The floor. bf16 keeps 8 significant bits, so one rounding moves a value by up to 2^-8 of itself,
-    # 0.72 * 2^-9 on average; a bf16 pipeline rounds every activation, the text embeddings and each step's
-    # velocity, many times over. A pixel is 127.5 * (1 + x): a single such rounding of the image itself
-    # would move it by about 127.5 * |x| * 2^-9 levels, and rounding to 0..255 keeps that mean
-    # (E|round(a + d) - round(a)| = |d| for a fractional part placed at random). Floor: half of that, so
-    # below even one rounding's worth (0.045 here; qic bf16 measured
-    # 0.76). An fp32 bundle differs from diffusers only in summation order (~1e-5 relative, ~1e-3 levels):
-    # built so (dtype ignored), this image measured mean 0.00, max 0.
-    amplitude = float(abs(pixels(reference) / 127.5 - 1).mean())
-    floor = 0.5 * 127.5 * amplitude * 2**-9
+    floor, amplitude = bf16_floor(reference)
     print(f"bf16 floor {floor:.3f} (image mean |x| {amplitude:.3f})")
     assert floor < ours_mean <= 1.05 * theirs_mean
     # The measure can fail: another seed's image is far outside it.

@@ -451,7 +451,7 @@ def test_warm_fills_an_edit_matrix_that_a_build_then_hits(edit_ckpt, tmp_path):
     assert len(compiles) == 5 and all("│ cached │" in line for line in compiles), build
 
 
-def test_a_bf16_edit_is_no_worse_than_diffusers_bf16(shared_dir, cache_dir, edit_ckpt, pipe, tmp_path):
+def test_a_bf16_edit_is_no_worse_than_diffusers_bf16(cache_dir, edit_ckpt, pipe, tmp_path):
     """An edit bundle built with the vision tower, the text encoder and the denoiser in bf16 (the VAE's encoder and
     decoder fp32, as tests/test_bf16_fidelity.py builds text-to-image) lands no further from the fp32 pipeline's image
     than diffusers' pipeline with those modules in bf16 (its VAE fp32 too: the pipeline casts the condition pixels to
@@ -461,15 +461,14 @@ def test_a_bf16_edit_is_no_worse_than_diffusers_bf16(shared_dir, cache_dir, edit
     The checkpoint's matrices are scaled by a quarter (tests/test_bf16_fidelity.py's argument, which halves them: at the
     sensitized draw one bf16 forward is tens of percent off for both and the comparison is noise; the edit chain adds
     the vision tower and its tokens, and halved both images still landed about 11 levels off on average, quartered
-    about 1). The export back end runs the graphs' own
-    bf16 arithmetic op by op as eager diffusers does (inductor's fusions, which keep pointwise chains in fp32, are
-    tests/test_bf16_fidelity.py's); both errors are bf16 rounding noise of one computation in a different order
-    (qic batches the CFG rows, runs its own norms and attention), so their means agree up to that spread: qic's at most
-    1.25x diffusers'. Floor: half of one bf16 rounding of the image (tests/test_bf16_fidelity.py's), which an fp32
-    bundle (a build that ignored `dtype`) lands below."""
-    from tests.conftest import pixels
+    about 1). The export back end runs the graphs' own bf16 arithmetic op by op as eager diffusers does (inductor's
+    fusions, which keep pointwise chains in fp32, are tests/test_bf16_fidelity.py's); both errors are bf16 rounding
+    noise of one computation in a different order (qic batches the CFG rows, runs its own norms and attention), so
+    their means agree up to that spread: qic's at most 1.25x diffusers'. Floor: tests/test_bf16_fidelity.bf16_floor,
+    which an fp32 bundle (a build that ignored `dtype`) lands below."""
     from tests.helpers import scaled_checkpoint
     from tests.qwen_image_edit_checkpoint import load_pipeline
+    from tests.test_bf16_fidelity import bf16_floor
     quartered = scaled_checkpoint(edit_ckpt, tmp_path / "ckpt", 0.25)
     config = tmp_path / "bf16.yaml"
     config.write_text(json.dumps({
@@ -491,8 +490,7 @@ def test_a_bf16_edit_is_no_worse_than_diffusers_bf16(shared_dir, cache_dir, edit
         theirs = _reference(ref_pipe, images)
     ours_max, ours_mean = image_diff(ours, reference)
     theirs_max, theirs_mean = image_diff(theirs, reference)
-    amplitude = float(abs(pixels(reference) / 127.5 - 1).mean())
-    floor = 0.5 * 127.5 * amplitude * 2**-9
+    floor, _ = bf16_floor(reference)
     print(f"vs diffusers fp32: qic bf16 max {ours_max:.0f} mean {ours_mean:.3f}; diffusers bf16 max {theirs_max:.0f} "
           f"mean {theirs_mean:.3f} (0..255); floor {floor:.3f}")
     assert floor < ours_mean <= 1.25 * theirs_mean
