@@ -73,6 +73,10 @@ def test_training_smoke_mode_writes_loadable_weights(tmp_path):
     assert meta["base"] == {"model": "shapes", "files": {f: trained.record("shapes")["files"][f]
                                                          for f in ("text_encoder.safetensors", "vae.safetensors")}}
     assert meta["training"]["command"].endswith("--smoke")
+    # the smoke settings' two cycles (a copy head made first), their steps numbered on
+    assert meta["training"]["settings"]["copy_head"] == "1:2" and len(meta["training"]["settings"]["then"]) == 1
+    losses = json.loads((out / "losses.json").read_text())["denoiser"]
+    assert [i for i, _ in losses] == list(range(3 + 2))
     # another cycle from that export (--resume): its record names the one it started from
     again = tmp_path / "again"
     proc = subprocess.run([sys.executable, "-m", "training.train_shapes_edit", "--smoke", "--resume", str(out),
@@ -82,6 +86,8 @@ def test_training_smoke_mode_writes_loadable_weights(tmp_path):
     meta2 = json.loads((again / "trained.json").read_text())
     assert meta2["training"]["previous"] == {"files": meta["files"], "training": meta["training"]}
     assert meta2["training"]["settings"]["steps"] == 2 and "--resume" in meta2["training"]["command"]
+    # one cycle of the settings given, and no second copy head over the trained one
+    assert meta2["training"]["settings"]["then"] == [] and meta2["training"]["settings"]["copy_head"] is None
 
 
 def test_the_trainer_samples_training_pairs_only(monkeypatch):
@@ -110,3 +116,43 @@ def test_the_trainer_samples_training_pairs_only(monkeypatch):
     drawn = seen[len(shapes_edit.TRAIN):]   # after the pairs list's own check of each training pair
     assert len(drawn) == 2000 and set(drawn) <= set(shapes_edit.TRAIN)
     assert not set(drawn) & set(shapes_edit.HELD_OUT)
+
+
+@pytest.mark.parametrize("grid", [(8, 8), (6, 10)])
+def test_a_sharpened_copy_head_attends_to_the_condition_token_under_each_noise_token(monkeypatch, grid):
+    """train_shapes_edit.sharpen_copy_head on a denoiser of the shapes model's sizes (random weights): the head puts
+    >= 90% of each noise token's attention on the condition token at its place (before: a few %), at a square and a
+    wide token grid."""
+    import diffusers.models.transformers.transformer_qwenimage as qwen
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+
+    from qic.checkpoint import trained
+    from training.train_shapes_edit import sharpen_copy_head
+    probs = []
+    real = qwen.dispatch_attention_fn
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+        probs.append(s.masked_fill(~attn_mask, float("-inf")).softmax(-1))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(qwen, "dispatch_attention_fn", spy)
+    torch.manual_seed(0)
+    tr = QwenImageTransformer2DModel.from_config(trained.configs("shapes")["transformer"]).eval()
+    h, w = grid
+    n, txt = h * w, 12
+    x = torch.randn(2, 2 * n, tr.config.in_channels)
+
+    def under(block, head):
+        probs.clear()
+        with torch.no_grad():
+            tr(hidden_states=x, encoder_hidden_states=torch.randn(2, txt, tr.config.joint_attention_dim),
+               encoder_hidden_states_mask=torch.ones(2, txt, dtype=torch.bool), timestep=torch.full((2,), 0.6),
+               img_shapes=[[(1, h, w)] * 2] * 2, return_dict=False)
+        to_condition = probs[block][:, head, txt:txt + n, txt + n:]   # noise queries -> condition keys
+        return float(torch.diagonal(to_condition, dim1=-2, dim2=-1).mean())
+
+    before = under(1, 2)
+    sharpen_copy_head(tr, 1, 2)
+    after = under(1, 2)
+    assert before < 0.1 and after >= 0.9, (before, after)
