@@ -324,12 +324,13 @@ def main(argv=None) -> int:
                     help="noise levels (default: the settings'); *_high: with high_share of the batch at u >= "
                          "high_from")
     ap.add_argument("--high-share", type=float, default=None, help="(default: the settings')")
+    ap.add_argument("--high-from", type=float, default=None, help="(default: the settings')")
     ap.add_argument("--copy-head", default=None, metavar="BLOCK:HEAD",
                     help="before training, make this attention head a positional copy head (sharpen_copy_head)")
     args = ap.parse_args(argv)
     cfg, out = start(args, ap, FULL, SMOKE, DATA_DIR)
     overrides = (("steps", args.steps), ("lr", args.lr), ("t_sampling", args.t_sampling),
-                 ("high_share", args.high_share), ("copy_head", args.copy_head))
+                 ("high_share", args.high_share), ("high_from", args.high_from), ("copy_head", args.copy_head))
     cfg = cfg | {k: v for k, v in overrides if v is not None}
     if any(v is not None for k, v in overrides if k != "copy_head"):
         cfg["then"] = []                  # one cycle of the settings given
