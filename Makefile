@@ -1,14 +1,16 @@
-# qic: `make run` installs, builds the embedded trained shapes model and draws the prompt; `make test` runs the suite.
+# qic: `make run` installs, builds the embedded trained shapes model and draws the prompt; `make edit` edits that
+# picture with the embedded edit model; `make test` runs the suite.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= a yellow circle on a blue background
+EDIT ?= make the background green
 
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: install xla-env workflow-lint run check test bench warm clean
+.PHONY: install xla-env workflow-lint run edit check test bench warm clean
 
 install: $(STAMP)
 
@@ -43,6 +45,14 @@ $(STAMP): pyproject.toml constraints-ci.txt
 run: install
 	$(BIN)/qic build
 	$(BIN)/qic run artifacts/shapes --prompt "$(PROMPT)" --output artifacts/shapes.png
+
+# The embedded edit model (embedded:shapes-edit) edits the picture `make run` drew by the instruction EDIT; built at
+# that picture's size only (128x128: four graphs beside the decoder `make run` compiled, a cache hit).
+edit: run
+	$(BIN)/qic build --model embedded:shapes-edit --resolution 128x128 --condition-size 128x128 \
+		--output artifacts/shapes-edit
+	$(BIN)/qic run artifacts/shapes-edit --image artifacts/shapes.png --prompt "$(EDIT)" \
+		--output artifacts/shapes-edit.png
 
 # The fast tier, before each commit: lint and every test not marked slow (none compiles a graph, starts a server
 # or spawns a rank; tests/tiers.py fails one that does). Under 3 minutes on two cores.

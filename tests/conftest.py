@@ -7,6 +7,7 @@ built once per session into a shared cache, and tests that need a compile reuse 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -237,6 +238,10 @@ def q21_pipe(q21_ckpt):
 # ---- the trained shapes model (issue 20) ---------------------------------------------------------------
 
 SHAPES_RES = (128, 128)
+# `make edit`'s build and edit, read from the Makefile so the tests and the target cannot drift apart.
+_MAKEFILE = (ROOT / "Makefile").read_text()
+MAKE_EDIT_BUILD = re.search(r"qic build (--model embedded:shapes-edit[^\n]*?) \\\n", _MAKEFILE)[1].split()
+MAKE_EDIT = re.search(r"^EDIT \?= (.+)$", _MAKEFILE, re.M)[1].strip()
 
 
 @pytest.fixture(scope="session")
@@ -249,6 +254,13 @@ def shapes_bundle(shared_dir, cache_dir) -> Path:
     """The default build exactly (`qic build` naming no model: embedded:shapes at its three resolutions), so
     tests/test_install.py's default builds are cache hits."""
     return _build(shared_dir, "bundle-shapes", "--cache-dir", cache_dir)[0]
+
+
+@pytest.fixture(scope="session")
+def shapes_edit_bundle(shared_dir, cache_dir) -> Path:
+    """`make edit`'s build exactly (the trained edit model at 128x128, condition size 128x128), so
+    tests/test_install.py's edit build is a cache hit; its decoder is shapes_bundle's graph (the same VAE)."""
+    return _build(shared_dir, "bundle-shapes-edit", "--cache-dir", cache_dir, *MAKE_EDIT_BUILD)[0]
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tests.conftest import ROOT
-from training import shapes
+from tests.conftest import MAKE_EDIT, MAKE_EDIT_BUILD, ROOT
+from training import shapes, shapes_edit
 
 # `make run`'s prompt, read from the Makefile so the two cannot drift apart.
 PROMPT = re.search(r"^PROMPT \?= (.+)$", (ROOT / "Makefile").read_text(), re.M)[1].strip()
@@ -49,11 +49,13 @@ def _qic(bin_dir: Path, cwd: Path, *args) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp_path, shapes_bundle, cache_dir):
+def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp_path, shapes_bundle,
+                                                                            shapes_edit_bundle, cache_dir):
     """`shapes_bundle` fills the session cache with the default graphs (the trained model at its three
-    resolutions, bucket 128), so both builds below compile nothing; the installed copy computes the same spec
-    keys, since its files are the package's (trained weights included). What `make run` does, from an empty
-    directory: the picture shows `make run`'s prompt."""
+    resolutions, bucket 128), and `shapes_edit_bundle` with `make edit`'s, so the builds below compile nothing; the
+    installed copy computes the same spec keys, since its files are the package's (trained weights included). What
+    `make run` and `make edit` do, from an empty directory: the picture shows `make run`'s prompt, the edit shows it
+    edited as `make edit` says."""
     bin_dir = _fresh_venv(tmp_path / "venv")
     src = _sources(tmp_path / "src")
     # `pip install .` in its two steps: the wheel built by this environment's setuptools (no download: the
@@ -78,6 +80,11 @@ def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp
     _qic(bin_dir, empty, "run", "artifacts/shapes", "--prompt", PROMPT, "--output", "installed.png")
     image = np.asarray(Image.open(empty / "installed.png").convert("RGB"))
     assert shapes.means(image, PROMPT), (PROMPT, shapes.read_image(image))
+    _qic(bin_dir, empty, "build", *MAKE_EDIT_BUILD, "--cache-dir", cache_dir, "--output", "artifacts/shapes-edit")
+    _qic(bin_dir, empty, "run", "artifacts/shapes-edit", "--image", "installed.png", "--prompt", MAKE_EDIT, "--output",
+         "edited.png")
+    edited = np.asarray(Image.open(empty / "edited.png").convert("RGB"))
+    assert shapes_edit.edited_as_told(edited, MAKE_EDIT, shapes.parse_prompt(PROMPT)), shapes.read_image(edited)
 
     # The same default through the checkout's own qic, in another empty directory: the same bytes.
     other = tmp_path / "other"

@@ -206,7 +206,11 @@ def test_a_batch_of_two_through_qic_serve_and_the_openai_client(shapes_bundle_ba
     assert all(shapes.means(img, prompt) for img in images), [shapes.read_image(i) for i in images]
 
 
-def test_damaged_trained_weights_are_refused_naming_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, damaged", [("shapes", "shapes/vae.safetensors"),
+                                            ("shapes-edit", "shapes/text_encoder.safetensors")])
+def test_damaged_trained_weights_are_refused_naming_the_file(tmp_path, monkeypatch, model, damaged):
+    """A packaged weights file that is not its record's is refused naming it, nothing written; shapes-edit reads
+    shapes' text encoder and VAE (its record's `base`), so a damaged one of those is refused there too."""
     import shutil
 
     from qic.checkpoint import trained
@@ -214,15 +218,15 @@ def test_damaged_trained_weights_are_refused_naming_the_file(tmp_path, monkeypat
     from qic.errors import CheckpointError
     data = tmp_path / "data"
     shutil.copytree(trained.DATA, data)
-    f = data / "shapes" / "vae.safetensors"
+    f = data / damaged
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 1
     f.write_bytes(bytes(raw))
     monkeypatch.setattr(trained, "DATA", data)
     trained.record.cache_clear()
     try:
-        with pytest.raises(CheckpointError, match=r"vae\.safetensors: sha256 .* is not the recorded"):
-            write_checkpoint(tmp_path / "ckpt", "shapes")
+        with pytest.raises(CheckpointError, match=rf"{Path(damaged).name}: sha256 .* is not the recorded"):
+            write_checkpoint(tmp_path / "ckpt", model)
     finally:
         trained.record.cache_clear()
     assert not (tmp_path / "ckpt").exists()

@@ -46,6 +46,18 @@ def test_the_meaning_check_reads_the_named_change_and_the_kept_attributes():
         assert not shapes_edit.edited_as_told(shapes.render(*wrong, h, w, 0.5), ins, t), wrong
 
 
+def test_the_packaged_record_names_its_base_and_what_it_was_trained_and_measured_with():
+    meta = json.loads((ROOT / "qic" / "checkpoint" / "data" / "shapes-edit" / "trained.json").read_text())
+    base = json.loads((ROOT / "qic" / "checkpoint" / "data" / "shapes" / "trained.json").read_text())
+    assert meta["base"] == {"model": "shapes", "files": {f: base["files"][f] for f in
+                                                         ("text_encoder.safetensors", "vae.safetensors")}}
+    assert set(meta["files"]) == {"transformer.safetensors"}
+    assert meta["configs"]["edit"]["pipeline"] == "QwenImageEditPlusPipeline"
+    # the script's own eval (diffusers' pipeline, shapes of one size) is recorded; the bar is checked through the
+    # compiled bundles in tests/test_shapes_edit_model.py
+    assert set(meta["training"]["final_eval_20_steps_cfg4"]) == {"held_out", "train"}
+
+
 @pytest.mark.slow
 def test_training_smoke_mode_writes_loadable_weights(tmp_path):
     """`python -m training.train_shapes_edit --smoke`: every stage for a few iterations (its batched prompt
