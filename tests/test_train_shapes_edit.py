@@ -85,7 +85,7 @@ def test_training_smoke_mode_writes_loadable_weights(tmp_path):
     assert meta["base"] == {"model": "shapes", "files": {f: trained.record("shapes")["files"][f]
                                                          for f in ("text_encoder.safetensors", "vae.safetensors")}}
     assert meta["training"]["command"].endswith("--smoke")
-    # the smoke settings' two cycles (a copy head made first), their steps numbered on
+    # the smoke settings' two cycles (a copy head made before each), their steps numbered on
     assert meta["training"]["settings"]["copy_head"] == "1:2" and len(meta["training"]["settings"]["then"]) == 1
     losses = json.loads((out / "losses.json").read_text())["denoiser"]
     assert [i for i, _ in losses] == list(range(3 + 2))

@@ -1,8 +1,9 @@
 """Train the embedded `shapes-edit` model: a tiny Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline) that edits a
 picture of the shapes world by an instruction of training/shapes_edit.py's grammar, in diffusers' own classes.
 
-    python -m training.train_shapes_edit                # the full run (about an hour on 2 CPU cores), writes the
-                                                        # package data in qic/checkpoint/data/shapes-edit/
+    python -m training.train_shapes_edit                # the full run (its eight cycles: about 3.6 h on 2 CPU
+                                                        # cores), writes the package data in
+                                                        # qic/checkpoint/data/shapes-edit/
     python -m training.train_shapes_edit --resume DIR [--steps N --lr X]   # another cosine cycle from an export
     python -m training.train_shapes_edit --resume DIR --copy-head 1:2 ...  # with that head made a copy head first
     python -m training.train_shapes_edit --smoke --out DIR   # a few iterations of every stage (make test)
@@ -67,11 +68,21 @@ PICTURE = "Picture 1: <|vision_start|><|image_pad|><|vision_end|>"   # the Edit 
 # is decided: at sigma near 1 the picture to draw is a function of the condition and the instruction alone, and a
 # run with logit-normal t (train_shapes.py's phase 2, which rarely samples there) predicted the unedited picture
 # there after 1500 steps and edited none of its eval pairs.
+# The full run is the chain of cycles that made the model that ships (its trained.json's `previous` records, each
+# cycle once a --resume run; about 3.6 h on 2 cores): the first at uniform t with a high-noise share, two with
+# logit-normal t and 20% still high, four logit-normal only, and a last one after block 1's head 2 was made a copy head.
 FULL = {"sizes": 8, "steps": 4500, "batch": 32, "lr": 5e-4, "ema": 0.998, "eval_every": 750, "eval_pairs": 24,
-        "t_sampling": "high", "high_share": 0.4, "high_from": 0.8}
+        "t_sampling": "high", "high_share": 0.4, "high_from": 0.8,
+        "then": [{"steps": 1500, "lr": 3e-4, "t_sampling": "logit_normal_high", "high_share": 0.2},
+                 {"steps": 1400, "lr": 2e-4, "t_sampling": "logit_normal_high", "high_share": 0.2},
+                 {"steps": 1500, "lr": 2e-4, "t_sampling": "logit_normal"},
+                 {"steps": 1500, "lr": 1.5e-4, "t_sampling": "logit_normal"},
+                 {"steps": 1300, "lr": 1.5e-4, "t_sampling": "logit_normal"},
+                 {"steps": 1500, "lr": 1.5e-4, "t_sampling": "logit_normal"},
+                 {"steps": 1500, "lr": 2e-4, "t_sampling": "logit_normal", "copy_head": "1:2"}]}
 SMOKE = {"sizes": 1, "steps": 3, "batch": 4, "lr": 5e-4, "ema": 0.9, "eval_every": 0, "eval_pairs": 2,
          "t_sampling": "high", "high_share": 0.4, "high_from": 0.8, "triples": 6, "copy_head": "1:2",
-         "then": [{"steps": 2, "lr": 2e-4, "t_sampling": "logit_normal"}]}
+         "then": [{"steps": 2, "lr": 2e-4, "t_sampling": "logit_normal", "copy_head": "3:0"}]}
 
 
 @contextmanager
@@ -262,6 +273,17 @@ def sharpen_copy_head(transformer, block: int, head: int, margin: float = 4.5) -
             norm.weight[dims] = gain
 
 
+def block_head(spec: str) -> tuple[int, int]:
+    """"BLOCK:HEAD" (--copy-head, the settings' copy_head) -> (block, head)."""
+    block, head = (int(x) for x in str(spec).split(":"))
+    return block, head
+
+
+def as_exported(state: dict) -> dict:
+    """A state dict as export() writes it and --resume reads it back: rounded to fp16, in fp32."""
+    return {k: v.detach().to(torch.float16).float() for k, v in state.items()}
+
+
 def evaluate(pipe, transformer, areas: dict, n: int, steps: int = 20, seed: int = 0) -> dict:
     """Fraction of edits the meaning check passes (diffusers' Edit Plus pipeline, true CFG 4, negative " ", 20
     steps), over n held-out and n training pairs, each picture at 128x128 with a shape of middling size (the output
@@ -350,8 +372,7 @@ def main(argv=None) -> int:
         if previous is not None:
             pipe.transformer.load_state_dict(resumed)
         if cfg.get("copy_head"):
-            block, head = (int(x) for x in str(cfg["copy_head"]).split(":"))
-            sharpen_copy_head(pipe.transformer, block, head)
+            sharpen_copy_head(pipe.transformer, *block_head(cfg["copy_head"]))
         areas = configs["edit"]["areas"]
         encoding = check_encoding(pipe, areas)
         t = time.time()
@@ -364,10 +385,16 @@ def main(argv=None) -> int:
         t = time.time()
         done = 0
         for k, cycle in enumerate([{}] + cfg.get("then", [])):
-            if k:   # a warm restart as --resume makes one: from the EMA weights, a fresh optimiser and EMA
-                tr.load_state_dict(ema.state_dict())
+            if k:
+                # a warm restart as a --resume run makes one: the exported (fp16) EMA weights, the cycle's copy
+                # head made on them (saved in fp16, as run 6's start was), a fresh optimiser and EMA, the same seed
+                tr.load_state_dict(as_exported(ema.state_dict()))
+                if cycle.get("copy_head"):
+                    sharpen_copy_head(tr, *block_head(cycle["copy_head"]))
+                    tr.load_state_dict(as_exported(tr.state_dict()))
+                ema.load_state_dict(tr.state_dict())
             n_losses, n_evals = len(losses), len(evals)
-            train_denoiser(pipe, tr, ema, data, configs, cfg | cycle, args.seed + 1 + k, losses, evals)
+            train_denoiser(pipe, tr, ema, data, configs, cfg | cycle, args.seed + 1, losses, evals)
             losses[n_losses:] = [(done + i, v) for i, v in losses[n_losses:]]
             evals[n_evals:] = [(done + i, v) for i, v in evals[n_evals:]]
             done += (cfg | cycle)["steps"]
