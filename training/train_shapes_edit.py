@@ -354,8 +354,8 @@ def main(argv=None) -> int:
     overrides = (("steps", args.steps), ("lr", args.lr), ("t_sampling", args.t_sampling),
                  ("high_share", args.high_share), ("high_from", args.high_from), ("copy_head", args.copy_head))
     cfg = cfg | {k: v for k, v in overrides if v is not None}
-    if any(v is not None for k, v in overrides if k != "copy_head"):
-        cfg["then"] = []                  # one cycle of the settings given
+    if args.resume or any(v is not None for k, v in overrides if k != "copy_head"):
+        cfg["then"] = []                  # one cycle (another from an export, or the settings given)
     if args.resume and not args.copy_head:
         cfg["copy_head"] = None           # the export resumed from has its heads as they were trained
     previous = None
@@ -393,11 +393,11 @@ def main(argv=None) -> int:
                     sharpen_copy_head(tr, *block_head(cycle["copy_head"]))
                     tr.load_state_dict(as_exported(tr.state_dict()))
                 ema.load_state_dict(tr.state_dict())
-            n_losses, n_evals = len(losses), len(evals)
-            train_denoiser(pipe, tr, ema, data, configs, cfg | cycle, args.seed + 1, losses, evals)
+            n_losses, n_evals, settings = len(losses), len(evals), cfg | cycle
+            train_denoiser(pipe, tr, ema, data, configs, settings, args.seed + 1, losses, evals)
             losses[n_losses:] = [(done + i, v) for i, v in losses[n_losses:]]
             evals[n_evals:] = [(done + i, v) for i, v in evals[n_evals:]]
-            done += (cfg | cycle)["steps"]
+            done += settings["steps"]
         times["denoiser_s"] = time.time() - t
         final = evaluate(pipe, ema, areas, 2 * cfg["eval_pairs"]) if not args.smoke else {}
         record = {
