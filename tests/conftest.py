@@ -17,6 +17,12 @@ from pathlib import Path
 # buffers, the kernels stay at inductor's -O3, so the graphs compute the same numbers; it compiles in 3.8-4.7 s a
 # tiny graph instead of 4.5-8 s at the default -O1 (docs/benchmarks.md, "The suite"). Users' builds keep -O1.
 os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
+# OpenMP threads that wait sleep instead of spinning (libgomp reads it when torch loads it; every process the tests
+# start inherits it). The suite runs two workers on two cores, each process with two threads: a spinning thread
+# takes the core its own team's other thread, or the other worker, needs. Two `qic run`s of 8 images side by side
+# took 16.1-17.2 s spinning and 7.3-7.7 s passive (1.0 s more alone; docs/benchmarks.md, "The suite"). The thread
+# count, so every number computed, is unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

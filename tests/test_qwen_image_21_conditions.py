@@ -175,7 +175,9 @@ def test_a_qwen_image_build_refuses_condition_sizes(tiny_ckpt, tmp_path):
 def pipe(q21_ckpt):
     """diffusers' QwenImage21Pipeline with transformers' own processor (images-only: no video part)."""
     from tests.qwen_image_21_checkpoint import load_images_pipeline
-    return load_images_pipeline(q21_ckpt)
+    pipe = load_images_pipeline(q21_ckpt)
+    pipe.qic_test_references = {}   # its images, by the arguments: the same in every test that asks
+    return pipe
 
 
 def _pictures(n: int) -> list[Image.Image]:
@@ -183,10 +185,15 @@ def _pictures(n: int) -> list[Image.Image]:
 
 
 def _reference(pipe, images, negative=NEGATIVE, use_kv_cache=True, seed=SEED):
-    kw = dict(negative_prompt=negative, true_cfg_scale=GUIDANCE) if negative else {}
-    return pipe(PROMPT, image=images, height=Q21_SIZE[0], width=Q21_SIZE[1], output_resolution=OUTPUT_RESOLUTION,
-                num_inference_steps=STEPS, use_kv_cache=use_kv_cache, generator=torch.Generator().manual_seed(seed),
-                **kw).images[0]
+    """The pipeline's image, computed once for each set of arguments (the module's pipe is never changed)."""
+    key = (tuple((im.size, im.mode, im.tobytes()) for im in images), negative, use_kv_cache, seed)
+    if key not in pipe.qic_test_references:
+        kw = dict(negative_prompt=negative, true_cfg_scale=GUIDANCE) if negative else {}
+        pipe.qic_test_references[key] = pipe(
+            PROMPT, image=images, height=Q21_SIZE[0], width=Q21_SIZE[1], output_resolution=OUTPUT_RESOLUTION,
+            num_inference_steps=STEPS, use_kv_cache=use_kv_cache, generator=torch.Generator().manual_seed(seed),
+            **kw).images[0]
+    return pipe.qic_test_references[key].copy()
 
 
 def _ours(bundle, images, negative=NEGATIVE, kv_cache=None, seed=SEED):

@@ -146,7 +146,8 @@ def test_every_process_group_is_made_through_qics_helper():
 
 
 def test_qic_run_killed_leaves_no_rank_behind(bundle_tp2, tmp_path):
-    """SIGKILL of `qic run` (the OOM killer) while its ranks load and denoise: the ranks die with it, at once."""
+    """SIGKILL of `qic run` (the OOM killer) while its ranks load and denoise: the ranks die with it, at once.
+    The ranks are forks of `qic run` (its command line, not a fresh interpreter's: qic.runtime.launch)."""
     proc = subprocess.Popen([*QIC, "run", str(bundle_tp2), "--prompts-file", _prompts(tmp_path)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -155,6 +156,8 @@ def test_qic_run_killed_leaves_no_rank_behind(bundle_tp2, tmp_path):
         while not _joined(parent):   # past start-up: the parent-death signal, not the start-up check, ends them
             assert proc.poll() is None and time.monotonic() < deadline, "qic run's ranks did not join"
             time.sleep(0.1)
+        ranks = [k for k in parent.children() if "resource_tracker" not in " ".join(k.cmdline())]
+        assert all(k.cmdline() == parent.cmdline() for k in ranks), [k.cmdline() for k in ranks]
         assert_die_with(proc, within=5)
     finally:
         if proc.poll() is None:

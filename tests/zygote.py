@@ -6,11 +6,11 @@ interpreter (the lowering environment's python has one of its own): each run is 
 gets a process of its own, with its own arguments, environment, working directory, standard streams, exit status
 and interpreter shutdown, as `subprocess.run` gives it.
 
-What the fork shares with the zygote is only what `import torch` (and numpy, PIL, safetensors) did, so nothing
-read at those imports may differ per run: a zygote is started per import-time environment (PYTHONPATH, OMP_*,
-MKL_*, KMP_*, TORCH_*, LD_*: tests/zygote_client.py keys them), and a run asking for an interpreter option
-(PYTHONPROFILEIMPORTTIME and the like) is a plain subprocess. The zygote never runs a torch operator, so no
-OpenMP thread pool exists to be broken by the fork.
+What the fork shares with the zygote is only what `import torch` (and numpy, PIL, safetensors and the parts of
+torch in PRELOAD) did, so nothing read at those imports may differ per run: a zygote is started per import-time
+environment (PYTHONPATH, OMP_*, MKL_*, KMP_*, TORCH*, LD_*, inductor's and the C++ compiler's: tests/zygote_client.py
+keys them), and a run asking for an interpreter option (PYTHONPROFILEIMPORTTIME and the like) is a plain subprocess.
+The zygote never runs a torch operator, so no OpenMP thread pool exists to be broken by the fork.
 
 Protocol (one Unix-socket connection a run): the client sends one JSON line {module, args, env, cwd, stdout, stderr}
 (the last two: files the run writes its streams to); the zygote forks a runner for the connection, which forks
@@ -25,10 +25,16 @@ import signal
 import socket
 import sys
 
-PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch")   # those an environment lacks are skipped
+# Those an environment lacks are skipped. Beyond torch itself, the parts of it a build imports (torch.export,
+# dynamo, inductor, torch.distributed, sympy): about 2 s of a core that every `qic build` and every run of an
+# export bundle would pay again (measured with -X importtime); importing them runs no operator and starts no
+# thread. The runtime's own imports are checked in fresh interpreters (tests/test_run.py, tests/test_serve.py).
+PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch", "torch.distributed", "torch.export", "torch._dynamo",
+           "torch._inductor.compile_fx", "torch._inductor.package", "sympy")
 # Environment variables read while those modules import (or at interpreter start): a zygote serves runs whose
-# values of these are its own.
-IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "LD_", "GOMP_")
+# values of these are its own (inductor's config reads TORCHINDUCTOR_*, AOT_INDUCTOR_* and CXX at import).
+IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_", "GOMP_", "AOT_INDUCTOR", "AOTINDUCTOR",
+                   "INDUCTOR_", "PT2_", "CXX", "CC")
 
 
 def _run(request: dict) -> None:

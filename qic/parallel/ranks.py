@@ -157,6 +157,8 @@ class _StderrRelay:
         self._held = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="qic-rank-stderr", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def _read(self) -> None:
@@ -203,9 +205,20 @@ def _stderr_to(path: str) -> None:
     os.close(fd)
 
 
+def _default_signal_handlers() -> None:
+    """A forked rank starts with the signal handlers a spawned one has (its parent's, such as serve's SIGTERM
+    forwarding, act on the parent's children)."""
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def _child(fn, parent: int, rank: int, tp: int, port: int, threads: int, timeout_s: float, backend: str, args,
-           q, stderr_path: str | None = None) -> None:
+           q, stderr_path: str | None = None, forked: bool = False) -> None:
     _die_with_parent(parent)
+    if forked:
+        _default_signal_handlers()
     if stderr_path is not None:
         _stderr_to(stderr_path)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -231,8 +244,15 @@ def _child(fn, parent: int, rank: int, tp: int, port: int, threads: int, timeout
 
 
 def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None = 600.0,
-          pg_timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo", notify: int | None = None) -> list:
+          pg_timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo", notify: int | None = None,
+          fork: bool = False) -> list:
     """Run fn(rank, tp, *args) in `tp` fresh processes joined in one process group on loopback.
+
+    fork: the ranks are forked from this process, which has torch and fn's module imported already (each
+    spawned rank imports them again: about 2 s of a core each), instead of started afresh. Only for a caller
+    that has run no torch computation yet: OpenMP's thread pool, once started, does not survive a fork.
+    Where this process runs Python threads (a lock one of them holds would stay held in the ranks) or the
+    platform has no fork, the ranks are spawned as without it.
 
     fn must be importable by name (a module-level function); its return value must pickle. Each rank
     runs with `threads` torch threads and a process group whose collectives give up after
@@ -246,15 +266,19 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
     otherwise find out (a server's rank 0 waits on HTTP, not on a collective). Without it they fail through
     their next collective.
     """
-    ctx = mp.get_context("spawn")
+    fork = fork and threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if fork else "spawn")
     q = ctx.Queue()
     port = free_port()
     relay = _StderrRelay(tp)
     procs = [ctx.Process(target=_child, args=(fn, os.getpid(), r, tp, port, threads, pg_timeout.total_seconds(),
-                                              backend, args, q, str(relay.paths[r])),
+                                              backend, args, q, str(relay.paths[r]), fork),
                          daemon=True) for r in range(tp)]
+    sys.stdout.flush()   # a forked rank would write what is still buffered here a second time
+    sys.stderr.flush()
     for p in procs:
         p.start()
+    relay.start()   # its thread after the fork: a forked rank gets this thread's state but not the thread
     outcomes: dict[int, RankOutcome] = {}
     start = time.monotonic()
     deadline = start + (timeout if timeout is not None else float("inf"))

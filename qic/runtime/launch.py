@@ -1,6 +1,6 @@
 """Starting the ranks a bundle asks for, shared by `qic run` and `qic serve`: the bundle's layout (its TP degree
 against --tp) and torchrun's world, then one process (world 1), this process as one torchrun rank, or the
-world's ranks spawned on loopback with the cores shared among them."""
+world's ranks forked on loopback with the cores shared among them."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ def torchrun_world() -> int | None:
 
 
 def spawn_ranks(fn, tp: int, *args, timeout: float | None, notify: int | None = None) -> list:
-    """fn(rank, tp, *args) in tp fresh processes on loopback, the machine's cores split between them
-    (timeout and notify: qic.parallel.ranks.spawn's)."""
+    """fn(rank, tp, *args) in tp processes on loopback, the machine's cores split between them (timeout and
+    notify: qic.parallel.ranks.spawn's). Forked from this process, which has run no torch computation: `qic run`
+    and `qic serve` start their ranks before loading anything, so each rank starts in milliseconds, not the
+    seconds a fresh interpreter takes to import torch."""
     from qic.parallel.ranks import spawn
     threads = max(1, (os.cpu_count() or 1) // tp)
-    return spawn(fn, tp, *args, threads=threads, timeout=timeout, notify=notify)
+    return spawn(fn, tp, *args, threads=threads, timeout=timeout, notify=notify, fork=True)
