@@ -23,6 +23,10 @@ os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 # took 16.1-17.2 s spinning and 7.3-7.7 s passive (1.0 s more alone; docs/benchmarks.md, "The suite"). The thread
 # count, so every number computed, is unchanged.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ranks the tests spawn from their own processes (which have computed, so cannot fork them) are forks of one fork
+# server that imported torch once, not fresh interpreters that each import it again (qic.parallel.ranks.spawn;
+# `qic run` / `qic serve` fork their own ranks whatever this says).
+os.environ.setdefault("QIC_RANKS_START", "forkserver")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -85,6 +85,7 @@ def _count_processes_and_pipelines() -> None:
     """Count the processes this test process starts (subprocesses and spawned ranks) and the diffusers pipelines it
     runs (a pipeline's __call__ opens its progress bar once), the latter from diffusers' import on (importing it
     here would cost each pytest process 3 s)."""
+    import multiprocessing.popen_forkserver as forkserver
     import multiprocessing.popen_spawn_posix as spawn
 
     def counted(owner, name, what):
@@ -97,6 +98,7 @@ def _count_processes_and_pipelines() -> None:
 
     counted(subprocess.Popen, "__init__", "processes")
     counted(spawn.Popen, "_launch", "processes")
+    counted(forkserver.Popen, "_launch", "processes")   # ranks from the fork server (QIC_RANKS_START, conftest)
     sys.meta_path.insert(0, _OnImport("diffusers.pipelines.pipeline_utils",
                                       lambda m: counted(m.DiffusionPipeline, "progress_bar", "pipelines")))
 

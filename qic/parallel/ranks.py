@@ -38,6 +38,12 @@ REPORT_GRACE_S = 10.0
 # from gloo, c10d and the AOTInductor runtime, printed the moment they see the closed connection) is held back:
 # the spawner notices a death within its 0.2 s poll plus 0.5 s for a last message, well inside this.
 STDERR_LAG_S = 2.0
+# How spawn() starts ranks where its caller does not say: "spawn" (fresh interpreters, each importing torch again),
+# or "forkserver" (forks of one started interpreter that imported FORKSERVER_PRELOAD once, without computing). The
+# tests set QIC_RANKS_START=forkserver for the ranks they spawn from their own processes, which have computed and
+# so cannot fork them (tests/conftest.py).
+START_ENV = "QIC_RANKS_START"
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "qic.parallel.ranks"]
 
 
 def group_name(group=None) -> str:
@@ -125,12 +131,13 @@ def _describe(o: RankOutcome) -> str:
     return f"rank {o.rank}: {how} without a result"
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int | None) -> None:
     """Linux: have the kernel SIGKILL this rank when the process that spawned it dies, however it dies
     (SIGKILL of `qic run` or `qic serve`, the OOM killer), so no rank outlives it holding memory or a port.
     SIGKILL because a rank may sit in a collective's C++ wait or ignore SIGTERM (serve's followers do). The
     kernel watches the thread that started the rank, and spawn() waits for its ranks on that thread. The
-    parent may already have died before prctl: then this process has been re-parented and goes now."""
+    parent may already have died before prctl: then this process has been re-parented and goes now.
+    parent None: a forkserver's rank, whose parent is the fork server (it exits when the spawner does)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -138,7 +145,7 @@ def _die_with_parent(parent: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:
+    if parent is not None and os.getppid() != parent:
         os._exit(1)
 
 
@@ -215,10 +222,13 @@ def _default_signal_handlers() -> None:
 
 
 def _child(fn, parent: int, rank: int, tp: int, port: int, threads: int, timeout_s: float, backend: str, args,
-           q, stderr_path: str | None = None, forked: bool = False) -> None:
-    _die_with_parent(parent)
-    if forked:
+           q, stderr_path: str | None = None, start: str = "spawn", env: dict | None = None) -> None:
+    _die_with_parent(None if start == "forkserver" else parent)
+    if start == "fork":
         _default_signal_handlers()
+    if env is not None:   # a fork server's rank: the spawner's environment now, not the server's when it started
+        os.environ.clear()
+        os.environ.update(env)
     if stderr_path is not None:
         _stderr_to(stderr_path)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -245,14 +255,15 @@ def _child(fn, parent: int, rank: int, tp: int, port: int, threads: int, timeout
 
 def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None = 600.0,
           pg_timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo", notify: int | None = None,
-          fork: bool = False) -> list:
+          start: str | None = None) -> list:
     """Run fn(rank, tp, *args) in `tp` fresh processes joined in one process group on loopback.
 
-    fork: the ranks are forked from this process, which has torch and fn's module imported already (each
-    spawned rank imports them again: about 2 s of a core each), instead of started afresh. Only for a caller
-    that has run no torch computation yet: OpenMP's thread pool, once started, does not survive a fork.
+    start: "spawn" (default; or $QIC_RANKS_START) starts each rank afresh, importing torch again (about 2 s of a
+    core); "fork" forks them from this process, which has torch and fn's module imported already. Fork only from a
+    caller that has run no torch computation yet: OpenMP's thread pool, once started, does not survive a fork.
     Where this process runs Python threads (a lock one of them holds would stay held in the ranks) or the
-    platform has no fork, the ranks are spawned as without it.
+    platform has no fork, they are spawned instead. "forkserver": forks of a server process started once, which
+    imported FORKSERVER_PRELOAD; for callers that have computed.
 
     fn must be importable by name (a module-level function); its return value must pickle. Each rank
     runs with `threads` torch threads and a process group whose collectives give up after
@@ -266,13 +277,20 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
     otherwise find out (a server's rank 0 waits on HTTP, not on a collective). Without it they fail through
     their next collective.
     """
-    fork = fork and threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
-    ctx = mp.get_context("fork" if fork else "spawn")
+    start = start or os.environ.get(START_ENV) or "spawn"
+    if start not in ("spawn", "fork", "forkserver"):
+        raise ConfigError(f"{START_ENV}={start}: ranks start by spawn, fork or forkserver")
+    if start != "spawn" and start not in mp.get_all_start_methods() or start == "fork" and threading.active_count() > 1:
+        start = "spawn"
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     q = ctx.Queue()
     port = free_port()
     relay = _StderrRelay(tp)
     procs = [ctx.Process(target=_child, args=(fn, os.getpid(), r, tp, port, threads, pg_timeout.total_seconds(),
-                                              backend, args, q, str(relay.paths[r]), fork),
+                                              backend, args, q, str(relay.paths[r]), start,
+                                              dict(os.environ) if start == "forkserver" else None),
                          daemon=True) for r in range(tp)]
     sys.stdout.flush()   # a forked rank would write what is still buffered here a second time
     sys.stderr.flush()

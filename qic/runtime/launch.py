@@ -35,4 +35,4 @@ def spawn_ranks(fn, tp: int, *args, timeout: float | None, notify: int | None = 
     seconds a fresh interpreter takes to import torch."""
     from qic.parallel.ranks import spawn
     threads = max(1, (os.cpu_count() or 1) // tp)
-    return spawn(fn, tp, *args, threads=threads, timeout=timeout, notify=notify, fork=True)
+    return spawn(fn, tp, *args, threads=threads, timeout=timeout, notify=notify, start="fork")
