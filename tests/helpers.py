@@ -233,3 +233,22 @@ def scaled_checkpoint(src: Path, dst: Path, factor: float) -> Path:
             save_file({k: v * factor if v.dim() >= 2 and "embed_tokens" not in k else v for k, v in sd.items()},
                       str(f), metadata={"format": "pt"})
     return dst
+
+
+MEMO = "qic_test_references"   # set to {} on a module fixture's pipeline whose weights the tests never change
+
+
+def memoised(pipe, key: tuple, draw):
+    """draw() (a reference image) once for each key on a pipeline that carries a memo (MEMO), every time on any
+    other; a copy each time, as callers may change what they get."""
+    memo = getattr(pipe, MEMO, None)
+    if memo is None:
+        return draw()
+    if key not in memo:
+        memo[key] = draw()
+    return memo[key].copy()
+
+
+def picture_key(*images) -> tuple:
+    """PIL images as a memo key: their sizes, modes and pixels."""
+    return tuple((im.size, im.mode, im.tobytes()) for im in images)

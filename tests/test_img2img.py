@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import BUCKETS, TINY_RES, _build, image_diff, qic
-from tests.helpers import MAX_PIXEL, MEAN_PIXEL
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL, MEMO, memoised, picture_key
 
 pytestmark = pytest.mark.slow   # builds bundles (one inductor graph new), runs diffusers and a server
 
@@ -58,23 +58,12 @@ def pipe(tiny_ckpt):
     from diffusers import QwenImageImg2ImgPipeline
     p = QwenImageImg2ImgPipeline.from_pretrained(str(tiny_ckpt), torch_dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
-    p.qic_test_references = {}   # the images below, by their arguments: the same in every test that asks
+    setattr(p, MEMO, {})   # the references below, by their arguments: the same in every test that asks
     return p
 
 
-def _memo(pipe, key, draw) -> Image.Image:
-    """draw() once for each key on the module's pipe (its weights are never changed)."""
-    if key not in pipe.qic_test_references:
-        pipe.qic_test_references[key] = draw()
-    return pipe.qic_test_references[key].copy()
-
-
-def _pixels(*images) -> tuple:
-    return tuple((im.size, im.mode, im.tobytes()) for im in images)
-
-
 def _reference(pipe, image, strength):
-    return _memo(pipe, ("img2img", _pixels(image), strength), lambda: pipe(
+    return memoised(pipe, ("img2img", picture_key(image), strength), lambda: pipe(
         PROMPT, image=image, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE, strength=strength,
         num_inference_steps=STEPS, height=TINY_RES[0], width=TINY_RES[1],
         generator=torch.Generator().manual_seed(SEED)).images[0])
@@ -89,7 +78,7 @@ def _inpaint_reference(pipe_tiny, image, mask, strength=0.6):
         return p(PROMPT, image=image, mask_image=mask, negative_prompt=NEGATIVE, true_cfg_scale=GUIDANCE,
                  strength=strength, num_inference_steps=STEPS, height=TINY_RES[0], width=TINY_RES[1],
                  generator=torch.Generator().manual_seed(SEED)).images[0]
-    return _memo(pipe_tiny, ("inpaint", _pixels(image, mask), strength), draw)
+    return memoised(pipe_tiny, ("inpaint", picture_key(image, mask), strength), draw)
 
 
 def _ours(bundle, image, strength, **kw):

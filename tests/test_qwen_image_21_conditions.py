@@ -23,7 +23,7 @@ from qic.host.vl_processor import vision_pixels
 from qic.models.qwen_image_21.host.sampling import condition_pixels, vision_image
 from qic.models.qwen_image_21.vision import VisionConfig
 from tests.conftest import Q21_BUCKET, Q21_SIZE, _build, image_diff, qic
-from tests.helpers import MAX_PIXEL, MEAN_PIXEL, fp32_reorder_bound, rel_l2
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL, MEMO, fp32_reorder_bound, memoised, picture_key, rel_l2
 
 CLIP_MEAN, CLIP_STD = (0.481, 0.458, 0.408), (0.269, 0.261, 0.276)   # the processor class's default normalisation
 # At output_resolution 320 (the pipeline's default is 1024; the tiny checkpoint runs small) a square picture resizes
@@ -176,7 +176,7 @@ def pipe(q21_ckpt):
     """diffusers' QwenImage21Pipeline with transformers' own processor (images-only: no video part)."""
     from tests.qwen_image_21_checkpoint import load_images_pipeline
     pipe = load_images_pipeline(q21_ckpt)
-    pipe.qic_test_references = {}   # its images, by the arguments: the same in every test that asks
+    setattr(pipe, MEMO, {})   # its images, by the arguments: the same in every test that asks
     return pipe
 
 
@@ -187,17 +187,11 @@ def _pictures(n: int) -> list[Image.Image]:
 def _reference(pipe, images, negative=NEGATIVE, use_kv_cache=True, seed=SEED):
     """The pipeline's image. The module's pipe (never changed) computes it once for each set of arguments; a pipeline
     made elsewhere always runs."""
-    memo = getattr(pipe, "qic_test_references", None)
-    key = (tuple((im.size, im.mode, im.tobytes()) for im in images), negative, use_kv_cache, seed)
-    if memo is not None and key in memo:
-        return memo[key].copy()
     kw = dict(negative_prompt=negative, true_cfg_scale=GUIDANCE) if negative else {}
-    image = pipe(PROMPT, image=images, height=Q21_SIZE[0], width=Q21_SIZE[1], output_resolution=OUTPUT_RESOLUTION,
-                 num_inference_steps=STEPS, use_kv_cache=use_kv_cache, generator=torch.Generator().manual_seed(seed),
-                 **kw).images[0]
-    if memo is not None:
-        memo[key] = image.copy()
-    return image
+    return memoised(pipe, (picture_key(*images), negative, use_kv_cache, seed), lambda: pipe(
+        PROMPT, image=images, height=Q21_SIZE[0], width=Q21_SIZE[1], output_resolution=OUTPUT_RESOLUTION,
+        num_inference_steps=STEPS, use_kv_cache=use_kv_cache, generator=torch.Generator().manual_seed(seed),
+        **kw).images[0])
 
 
 def _ours(bundle, images, negative=NEGATIVE, kv_cache=None, seed=SEED):

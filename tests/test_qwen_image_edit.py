@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import TINY_RES, _build, image_diff, made_once, qic
-from tests.helpers import MAX_PIXEL, MEAN_PIXEL
+from tests.helpers import MAX_PIXEL, MEAN_PIXEL, MEMO, memoised, picture_key
 
 pytestmark = pytest.mark.slow   # every test builds a bundle (the export back end: tracing, no C++) or runs diffusers
 
@@ -78,7 +78,7 @@ def edit_export(shared_dir, cache_dir, edit_ckpt) -> Path:
 def pipe(edit_ckpt):
     from tests.qwen_image_edit_checkpoint import load_pipeline
     pipe = load_pipeline(edit_ckpt)
-    pipe.qic_test_references = {}   # its edits, by (pictures, negative): the same in every test that asks
+    setattr(pipe, MEMO, {})   # its edits, by (pictures, negative): the same in every test that asks
     return pipe
 
 
@@ -87,16 +87,12 @@ def _reference(pipe, images, negative=NEGATIVE, memo=True):
     a pipeline made in a test always runs."""
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
     kw = dict(negative_prompt=negative, true_cfg_scale=GUIDANCE) if negative else {}
-    memo = getattr(pipe, "qic_test_references", None) if memo else None
-    key = (tuple((im.size, im.tobytes()) for im in images), negative)
-    if memo is not None and key in memo:
-        return memo[key].copy()
-    with mock.patch.object(plus, "VAE_IMAGE_SIZE", REFERENCE_VAE_AREA):
-        image = pipe(image=images, prompt=PROMPT, height=OUTPUT[0], width=OUTPUT[1], num_inference_steps=STEPS,
-                     generator=torch.Generator().manual_seed(SEED), **kw).images[0]
-    if memo is not None:
-        memo[key] = image.copy()
-    return image
+
+    def draw():
+        with mock.patch.object(plus, "VAE_IMAGE_SIZE", REFERENCE_VAE_AREA):
+            return pipe(image=images, prompt=PROMPT, height=OUTPUT[0], width=OUTPUT[1], num_inference_steps=STEPS,
+                        generator=torch.Generator().manual_seed(SEED), **kw).images[0]
+    return memoised(pipe, (picture_key(*images), negative), draw) if memo else draw()
 
 
 def _ours(bundle, images, negative=NEGATIVE):
