@@ -199,7 +199,8 @@ def label(key: str) -> str:
 
 
 def bench(args) -> dict:
-    from benchmarks.run import matmul_gflops
+    from benchmarks.run import SMOKE_MATMUL, matmul_gflops
+    n = SMOKE_MATMUL if args.smoke else 2048
     d: Path = args.dir
     d.mkdir(parents=True, exist_ok=True)
     py = sys.executable
@@ -247,7 +248,7 @@ def bench(args) -> dict:
     rates = []
     for r in args.resolutions:
         h, w = resolution(r)
-        rates.append(matmul_gflops())
+        rates.append(matmul_gflops(n))
         png_q, png_d = d / f"qic-{r}.png", d / f"diffusers-{r}.png"
         qcmd = [py, "-m", "qic.cli", "run", str(bundle), "--prompt", PROMPT, "--seed", str(SEED), "--steps",
                 str(args.steps), "--guidance", str(GUIDANCE), "--height", str(h), "--width", str(w),
@@ -267,7 +268,7 @@ def bench(args) -> dict:
 
     lengths = templated_lengths(ckpt, [PROMPT, " "])
     res["templated_lengths"] = lengths
-    rates.append(matmul_gflops())
+    rates.append(matmul_gflops(n))
     res["matmul_gflops"], res["matmul_gflops_all"] = max(rates), rates
     for r in args.resolutions:
         run = res["runs"][r]

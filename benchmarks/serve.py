@@ -58,26 +58,26 @@ def main(argv: list[str] | None = None) -> None:
     bundle = args.bundle or build(args.preset, args.dir, cache_dir=cache)
     body = {"prompt": PROMPT, "steps": args.steps}
 
-    with Server(bundle, args.requests, args.dir / "serve-b1.log") as srv:
-        latencies = [srv.timed(body, i) for i in range(args.latency_requests)]
-        serial = srv.throughput(body, range(100, 100 + args.requests), 1)
-        concurrent = srv.throughput(body, range(200, 200 + args.requests), args.clients)
-    start_s = srv.start_s
     batched = None
-    if args.batch_bundle or (args.batch > 1 and not args.bundle):
-        batch_bundle = args.batch_bundle or build(args.preset, args.dir, args.batch, cache_dir=cache)
-        # Both servers resident, rounds alternating between them with the same seeds, so that the load
-        # of this shared machine weighs on both alike; medians over the rounds.
-        with Server(bundle, args.requests, args.dir / "serve-plain.log") as plain, \
-                Server(batch_bundle, args.requests, args.dir / "serve-batch.log") as srv:
-            for server in (plain, srv):
+    with Server(bundle, args.requests, args.dir / "serve-b1.log") as plain:
+        latencies = [plain.timed(body, i) for i in range(args.latency_requests)]
+        serial = plain.throughput(body, range(100, 100 + args.requests), 1)
+        concurrent = plain.throughput(body, range(200, 200 + args.requests), args.clients)
+        if args.batch_bundle or (args.batch > 1 and not args.bundle):
+            batch_bundle = args.batch_bundle or build(args.preset, args.dir, args.batch, cache_dir=cache)
+            # Both servers resident (the one above stays up: the same bundle, already warm), rounds alternating
+            # between them with the same seeds, so that the load of this shared machine weighs on both alike;
+            # medians over the rounds.
+            with Server(batch_bundle, args.requests, args.dir / "serve-batch.log") as srv:
                 for i in range(2):
-                    server.timed(body, 900 + i)
-            rounds = [(plain.throughput(body, seeds, args.clients), srv.throughput(body, seeds, args.clients))
-                      for r in range(args.rounds) for seeds in [range(200 + 1000 * r, 200 + 1000 * r + args.requests)]]
-        batched_share = srv.batched_images()
-        unbatched, batched = (statistics.median(x) for x in zip(*rounds))
-        ratio = statistics.median(b / a for a, b in rounds)
+                    srv.timed(body, 900 + i)
+                rounds = [(plain.throughput(body, seeds, args.clients), srv.throughput(body, seeds, args.clients))
+                          for r in range(args.rounds)
+                          for seeds in [range(200 + 1000 * r, 200 + 1000 * r + args.requests)]]
+            batched_share = srv.batched_images()
+            unbatched, batched = (statistics.median(x) for x in zip(*rounds))
+            ratio = statistics.median(b / a for a, b in rounds)
+    start_s = plain.start_s
 
     # The reference: `qic run` resident mode on the same bundle, 1 and 1 + N prompts; the difference is
     # N images' worth of generate + PNG with no HTTP, in a process of its own like the server.

@@ -29,6 +29,7 @@ import torch
 
 from benchmarks import parse_args
 from benchmarks.realwidth import CONFIGS, reduced_configs
+from benchmarks.run import SMOKE_MATMUL
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "mkl_linear",
           "aten::_mkl", "_linear_pointwise", "onednn")
@@ -46,10 +47,10 @@ def category(name: str) -> str:
     return "other"
 
 
-def matmul_rate() -> float:
-    """FLOP/s of a 2048^3 fp32 matmul: the same measure as the other benchmarks' (benchmarks.run)."""
+def matmul_rate(n: int = 2048) -> float:
+    """FLOP/s of an n^3 fp32 matmul (2048: the same measure as the other benchmarks', benchmarks.run)."""
     from benchmarks.run import matmul_gflops
-    return matmul_gflops() * 1e9
+    return matmul_gflops(n) * 1e9
 
 
 def _timed(fn) -> float:
@@ -90,9 +91,11 @@ def step_module(size: int, bucket: int, depth: int, tiny: bool = False):
     return gdef.module.eval(), inputs
 
 
-def profile(size: int, bucket: int, depth: int, runs: int, tiny: bool = False) -> dict:
+def profile(size: int, bucket: int, depth: int, runs: int, tiny: bool = False, both: bool = True) -> dict:
     """Both variants compiled from one module, timed in alternation (the machine's load drifts), then each
-    profiled: `before` with inductor's configs alone, `after` with qic's CPU pass (qic.backends.inductor.build)."""
+    profiled: `before` with inductor's configs alone, `after` with qic's CPU pass (qic.backends.inductor.build).
+    both=False (--smoke) compiles `after` only and reports it in both columns: the path, one compile the cheaper
+    (tests/test_inductor_passes.py checks what the pass changes)."""
     import torch._inductor.config as inductor_config
 
     from qic.backends.inductor.build import compile_options
@@ -102,7 +105,7 @@ def profile(size: int, bucket: int, depth: int, runs: int, tiny: bool = False) -
     compiled = {}
     with torch.no_grad():
         eager = module(*inputs)
-        for name, passes in (("before", False), ("after", True)):
+        for name, passes in (("before", False), ("after", True)) if both else (("after", True),):
             torch._dynamo.reset()
             fn = torch.compile(module, backend="inductor", fullgraph=True,
                                options=compile_options("cpu", passes=passes))
@@ -119,6 +122,7 @@ def profile(size: int, bucket: int, depth: int, runs: int, tiny: bool = False) -
             res["variants"][name] |= _breakdown(fn, inputs, runs)
     for v in res["variants"].values():
         v["step_s"] = statistics.median(v["walls"])
+    res["variants"].setdefault("before", res["variants"]["after"])
     return res
 
 
@@ -179,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model's widths instead of the real ones")
     args = parse_args(ap, argv, {"size": 32, "depth": 1, "runs": 1, "tiny": True})
-    rate = matmul_rate()
-    res = profile(args.size, args.bucket, args.depth, args.runs, args.tiny)
-    print(report(res, (rate + matmul_rate()) / 2))   # the rate before and after, averaged: it drifts
+    n = SMOKE_MATMUL if args.smoke else 2048
+    rate = matmul_rate(n)
+    res = profile(args.size, args.bucket, args.depth, args.runs, args.tiny, both=not args.smoke)
+    print(report(res, (rate + matmul_rate(n)) / 2))   # the rate before and after, averaged: it drifts
 
 
 if __name__ == "__main__":

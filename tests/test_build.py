@@ -389,7 +389,7 @@ def test_concurrent_builds_to_one_output_take_turns(tmp_path, tiny_ckpt, cache_d
         return real(out, key)
     monkeypatch.setattr(bundle_stage, "_up_to_date", meet_then_check)
     spec = load_spec(None, {"model": str(tiny_ckpt), "cache_dir": str(cache_dir), "output": str(tmp_path / "out"),
-                            "components": "vae_decoder", "resolutions": ["16x16"]})
+                            "components": "vae_decoder", "resolutions": ["16x16"], "backend": "export"})
     from qic.spec import with_changes
     build(with_changes(spec, output=str(tmp_path / "first")))   # graphs memoised: the threads export nothing
     results, errors = [], []   # (torch.export is not thread-safe; the bundle stage is what is under test)

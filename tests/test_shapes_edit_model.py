@@ -77,10 +77,13 @@ def _edit_in_process(bundle: Path, pairs, seed: int = 0, negative_prompts=None) 
 def test_held_out_edits_through_the_cli(shapes_edit_bundle, tmp_path):
     """`qic run BUNDLE --prompts-file` (each line an instruction and its picture): >= 90% of 24 held-out pairs edited
     as told; the output size follows the picture (128x128) as the pipeline's default does, at the model's own
-    area."""
+    area. Every graph, the vision tower's and the VAE encoder's included, is compiled for the build's CPU target (the
+    default, portable: the lowest x86-64 level this host runs) and records it."""
+    from qic.backends.inductor.target import resolve_cpu_target
     manifest = json.loads((shapes_edit_bundle / "manifest.json").read_text())
     assert {g["name"].split("@")[0] for g in manifest["graphs"]} == {"vision", "vae_encoder", "text_encoder",
                                                                      "denoiser", "vae_decoder"}
+    assert {g["target"]["cpu_target"] for g in manifest["graphs"]} == {resolve_cpu_target()}, manifest["graphs"]
     qic("run", shapes_edit_bundle, "--prompts-file", _prompts_file(tmp_path, HELD), "--output", tmp_path / "out.png")
     images = _outputs(tmp_path, "out", len(HELD))
     assert all(img.shape[:2] == SHAPES_RES for img in images)

@@ -28,13 +28,16 @@ import sys
 # Those an environment lacks are skipped. Beyond torch itself, the parts of it a build imports (torch.export,
 # dynamo, inductor, torch.distributed, sympy): about 2 s of a core that every `qic build` and every run of an
 # export bundle would pay again (measured with -X importtime); importing them runs no operator and starts no
-# thread. The runtime's own imports are checked in fresh interpreters (tests/test_run.py, tests/test_serve.py).
+# thread. torch_xla (the lowering environment's zygote only): 2.4 s more of every neuron build and XLA:CPU run; its
+# import starts no thread either (the PJRT client is made at the first device use, in the run). The runtime's own
+# imports are checked in fresh interpreters (tests/test_run.py, tests/test_serve.py).
 PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch", "torch.distributed", "torch.export", "torch._dynamo",
-           "torch._inductor.compile_fx", "torch._inductor.package", "sympy")
+           "torch._inductor.compile_fx", "torch._inductor.package", "sympy", "torch_xla")
 # Environment variables read while those modules import (or at interpreter start): a zygote serves runs whose
-# values of these are its own (inductor's config reads TORCHINDUCTOR_*, AOT_INDUCTOR_* and CXX at import).
+# values of these are its own (inductor's config reads TORCHINDUCTOR_*, AOT_INDUCTOR_* and CXX at import; torch_xla
+# reads PJRT_*, XLA_* and the Neuron runtime's NEURON_*).
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_", "GOMP_", "AOT_INDUCTOR", "AOTINDUCTOR",
-                   "INDUCTOR_", "PT2_", "CXX", "CC")
+                   "INDUCTOR_", "PT2_", "CXX", "CC", "PJRT_", "XLA_", "NEURON")
 
 
 def _run(request: dict) -> None:
