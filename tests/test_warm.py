@@ -1,10 +1,10 @@
 """Issue 12: `qic warm`, the compile store, signatures, keys and the runtime's load check.
 
-Compiles are the cost here (about a minute a graph on two cores), so the whole file shares one store
-filled once by the `warmed` fixture: two VAE-decoder graphs of the `tiny-alt` preset (a config other
-than the embedded default), warmed from its configs and tokenizer only. Everything else reads that
-store, copies of it, or edits of the copies; one test compiles one more graph to show a refused
-remote entry being rebuilt.
+Compiles are the cost here, so the whole file shares one store filled once by the `warmed` fixture: two
+text-encoder graphs of the `tiny-alt` preset (a config other than the embedded default; the text encoder, the
+quickest of its graphs to compile, 8-10 s against the VAE decoder's ~25 s), warmed from its configs and tokenizer
+only. Everything else reads that store, copies of it, or edits of the copies; one test compiles one more graph to
+show a refused remote entry being rebuilt.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from qic.errors import BundleError
 from qic.manifest import MANIFEST, finalize
 from tests.conftest import FAULTY_QIC, QIC, ROOT, qic
 
-RES = ("48x80", "32x48")          # tiny-alt's VAE scale is 4: multiples of 8
-GRAPHS = {f"vae_decoder@{r}" for r in RES}
+BUCKETS = ("72", "128")           # tiny-alt's template is 53 tokens: both hold it
+GRAPHS = {f"text_encoder@L{b}" for b in BUCKETS}
 
 
 def _compile_rows(stdout: str) -> dict[str, str]:
@@ -40,9 +40,9 @@ def _compile_rows(stdout: str) -> dict[str, str]:
     return rows
 
 
-def _build(ckpt, cache, out, *extra, res=RES, env=None):
-    args = ["build", "--model", ckpt, "--cache-dir", cache, "--output", out, "--components", "vae_decoder",
-            "--text-buckets", "128,", *[a for r in res for a in ("--resolution", r)], *extra]
+def _build(ckpt, cache, out, *extra, buckets=BUCKETS, env=None):
+    args = ["build", "--model", ckpt, "--cache-dir", cache, "--output", out, "--components", "text_encoder",
+            "--text-buckets", ",".join(buckets), "--resolution", "48x80", *extra]
     return qic(*args, env=env)
 
 
@@ -64,8 +64,8 @@ def warmed(tmp_path_factory, alt_configs, tiny_alt_ckpt):
     d = tmp_path_factory.mktemp("warm")
     key, (pub_path, pub) = d / "signing.pem", signing.keygen(d / "signing.pem")
     matrix = d / "matrix.yaml"
-    matrix.write_text(f"model: [{json.dumps(str(alt_configs))}]\ncomponents: [vae_decoder]\n"
-                      f"resolutions: {json.dumps(list(RES))}\ntext_buckets: [128]\n")
+    matrix.write_text(f"model: [{json.dumps(str(alt_configs))}]\ncomponents: [text_encoder]\n"
+                      f"resolutions: [48x80]\ntext_buckets: [{', '.join(BUCKETS)}]\n")
     cache = d / "store"
     env = {**os.environ}
     warms = [subprocess.Popen([*QIC, "warm", matrix, "--cache-dir", cache, "--shard", f"{i}/2", "--sign-key", key,
@@ -75,8 +75,8 @@ def warmed(tmp_path_factory, alt_configs, tiny_alt_ckpt):
     # need no shards, reach the compile locks first and the entries are theirs (signed); the build then
     # waits on those locks and must find their artifacts.
     build = subprocess.Popen([*FAULTY_QIC, "build", "--model", tiny_alt_ckpt, "--cache-dir", cache,
-                              "--output", d / "b0", "--components", "vae_decoder", "--text-buckets", "128,",
-                              *[a for r in RES for a in ("--resolution", r)]], cwd=ROOT, text=True,
+                              "--output", d / "b0", "--components", "text_encoder", "--text-buckets",
+                              ",".join(BUCKETS), "--resolution", "48x80"], cwd=ROOT, text=True,
                              env={**env, "FAULTY_SHARD_DELAY": "0.3"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     outs = [p.communicate(timeout=900) for p in (*warms, build)]
@@ -121,15 +121,15 @@ def test_warm_from_configs_without_a_tokenizer_degrades_to_the_dropped_template_
 @pytest.mark.slow
 def test_a_failed_job_publishes_nothing_and_the_others_finish(warmed, tmp_path, alt_configs):
     matrix = tmp_path / "m.yaml"
-    matrix.write_text(f"model: {json.dumps(str(alt_configs))}\ncomponents: [vae_decoder]\n"
-                      f"resolutions: ['48x80', '16x24']\ntext_buckets: [128]\n")
+    matrix.write_text(f"model: {json.dumps(str(alt_configs))}\ncomponents: [text_encoder]\n"
+                      f"resolutions: ['48x80']\ntext_buckets: [128, 96]\n")
     proc = subprocess.run([*FAULTY_QIC, "warm", matrix, "--cache-dir", warmed.cache, "--report", tmp_path / "r.json"],
                           cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "FAULTY_FAIL_GRAPH": "vae_decoder@16x24"})
+                          env={**os.environ, "FAULTY_FAIL_GRAPH": "text_encoder@L96"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = {r["graph"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
-    assert rows["vae_decoder@48x80"]["status"] == "hit" and rows["vae_decoder@16x24"]["status"] == "failed"
-    assert "injected compile failure" in rows["vae_decoder@16x24"]["error"]
+    assert rows["text_encoder@L128"]["status"] == "hit" and rows["text_encoder@L96"]["status"] == "failed"
+    assert "injected compile failure" in rows["text_encoder@L96"]["error"]
     graphs = [json.loads(m.read_text())["graph"] for m in (warmed.cache / "graphs").glob("*/meta.json")]
     assert sorted(graphs) == sorted(GRAPHS)                          # nothing published for the failure
     assert not list((warmed.cache / "graphs").glob(".tmp-*"))        # no staging left behind
@@ -268,8 +268,8 @@ def test_remote_entries_need_a_good_signature(warmed, tmp_path, capsys, tamper, 
 @pytest.mark.slow
 def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(warmed, tmp_path, tiny_alt_ckpt):
     good = _build(tiny_alt_ckpt, tmp_path / "a", tmp_path / "ba", "--cache-from", warmed.cache,
-                  "--cache-public-key", warmed.pub_path, res=RES[:1])
-    assert _compile_rows(good.stdout) == {"vae_decoder@48x80": "cached"}
+                  "--cache-public-key", warmed.pub_path, buckets=BUCKETS[1:])
+    assert _compile_rows(good.stdout) == {"text_encoder@L128": "cached"}
     # The other local cache holds this graph's entry recorded for another torch (edited), and the
     # remote's signature is by a key this user does not trust: both are refused, the graph compiles.
     local = tmp_path / "b"
@@ -280,12 +280,12 @@ def test_build_pulls_signed_entries_without_compiling_and_rebuilds_refused_ones(
     store.write_json_atomic(local / "graphs" / gkey / store.META, meta)
     stranger = signing.keygen(tmp_path / "stranger.pem")[1]
     refused = _build(tiny_alt_ckpt, local, tmp_path / "bb", "--cache-from", warmed.cache,
-                     "--cache-public-key", stranger, res=RES[:1])
+                     "--cache-public-key", stranger, buckets=BUCKETS[1:])
     assert f"cache entry {local / 'graphs' / gkey}: recorded for another toolchain or machine (torch 2.12.0" \
         in refused.stderr
     assert f"remote entry {gkey} refused: it is not signed by a configured public key; compiling it locally" \
         in refused.stderr
-    assert _compile_rows(refused.stdout) == {"vae_decoder@48x80": "built"}
+    assert _compile_rows(refused.stdout) == {"text_encoder@L128": "built"}
     assert store.lookup(local, gkey, json.loads((warmed.cache / "graphs" / gkey / store.META).read_text())["backend"])
 
 

@@ -65,6 +65,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: compiles a graph, starts a server or a rank, or runs long; "
                                        "`make check` leaves these out")
     _count_processes_and_pipelines()
+    if getattr(config.option, "loadscopereorder", None):   # xdist's loadfile takes LONGEST_FIRST's order instead
+        config.option.loadscopereorder = False
     if fast_tier(config):   # xdist's workers inherit the controller's log through the environment
         global _refused_log
         _refused_log = Path(os.environ.setdefault("QIC_REFUSED_CXX_LOG", str(Path(
@@ -75,10 +77,25 @@ def pytest_configure(config):
             sys.modules["torch._inductor.config"].cpp.cxx = (None, str(REFUSING_CXX))
 
 
+# The files that cost the most worker time (docs/benchmarks.md, "The suite"), longest first: xdist's workers take
+# files in this order (loadfile, its own reordering by test count switched off in pytest_configure), then the rest
+# in collection order, short ones last, so the two workers end together. It also starts the two workers on files
+# that need different session bundles: two files that both need the tiny `bundle` first left one worker waiting a
+# minute for the other's compile. A file missing from the list is only scheduled later; the order checks nothing.
+LONGEST_FIRST = (
+    "test_benchmarks.py", "test_step_cache.py", "test_qwen_image_edit.py", "test_qwen_image_21_conditions.py",
+    "test_run.py", "test_shapes_edit_model.py", "test_compiled_layouts.py", "test_serve.py", "test_img2img.py",
+    "test_shapes_model.py", "test_build.py", "test_warm.py", "test_neuron_xla.py", "test_neuron_xla_q21.py",
+    "test_qwen_image_21_family.py", "test_tp.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order
 
 
 def _count_processes_and_pipelines() -> None:
