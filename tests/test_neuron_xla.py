@@ -102,6 +102,9 @@ def test_image_through_lowered_graphs_matches_inductor_bundle(neuron_bundle, bun
     _draws_like_inductor(neuron_bundle[0], bundle, workdir, "tp1")
 
 
+_INDUCTOR_PNGS: dict = {}   # (inductor bundle, seed) -> its `qic run` PNG, drawn once a module
+
+
 def _draws_like_inductor(neuron: Path, inductor: Path, workdir: Path, tag: str, wrong_seed: bool = True) -> None:
     """`qic run --device xla-cpu` on the neuron bundle and `qic run` on the inductor bundle of the same spec
     draw the same image: fp32 graphs on both sides, so the only differences are reassociated sums (~1e-6
@@ -109,9 +112,12 @@ def _draws_like_inductor(neuron: Path, inductor: Path, workdir: Path, tag: str, 
     (wrong_seed): another seed through the inductor bundle is far outside it."""
     def common(seed: int) -> list:
         return ["--prompt", SHORT_PROMPT, "--steps", "4", "--seed", seed]
-    xla_png, ind_png = workdir / f"xla-cpu-{tag}.png", workdir / f"inductor-{tag}.png"
+    xla_png = workdir / f"xla-cpu-{tag}.png"
     xla_qic("run", neuron, "--device", "xla-cpu", *common(3), "--output", xla_png)
-    qic("run", inductor, *common(3), "--output", ind_png)
+    if (inductor, 3) not in _INDUCTOR_PNGS:   # the TP 2 and CFG-parallel neuron bundles meet the same inductor image
+        _INDUCTOR_PNGS[inductor, 3] = workdir / f"inductor-{tag}.png"
+        qic("run", inductor, *common(3), "--output", _INDUCTOR_PNGS[inductor, 3])
+    ind_png = _INDUCTOR_PNGS[inductor, 3]
     worst, mean = image_diff(Image.open(xla_png), Image.open(ind_png))
     print(f"{tag}: xla-cpu vs inductor: max {worst:.0f}/255, mean {mean:.5f} levels")
     assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
