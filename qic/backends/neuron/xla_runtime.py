@@ -42,10 +42,10 @@ def load(hlo: Path, params: list[list], weights: list[torch.Tensor], rank: int =
     import torch_xla
     run_hlo = _runner(Path(hlo).read_bytes(), f"qic::{Path(hlo).parent.name}")
     device = torch_xla.device()
-    bound = {j: weights[j].to(device) for kind, j in params if kind == "weight"}
+    bound = {j: _to_device(weights[j], device) for kind, j in params if kind == "weight"}
 
-    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return run_hlo([inputs[i].to(device) if kind == "input" else bound[i] for kind, i in params])
+    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:   # 0-dim inputs as the ranks' path moves them
+        return run_hlo([_to_device(inputs[i], device) if kind == "input" else bound[i] for kind, i in params])
 
     return run
 
@@ -54,7 +54,7 @@ def run_once(proto: bytes, values: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every parameter given, as CPU tensors in parameter order (the build's check)."""
     import torch_xla
     device = torch_xla.device()
-    return _runner(proto, "qic::graph")([v.to(device) for v in values])
+    return _runner(proto, "qic::graph")([_to_device(v, device) for v in values])
 
 
 def _runner(proto: bytes, op: str):
