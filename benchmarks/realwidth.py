@@ -199,8 +199,7 @@ def label(key: str) -> str:
 
 
 def bench(args) -> dict:
-    from benchmarks.run import SMOKE_MATMUL, matmul_gflops
-    n = SMOKE_MATMUL if args.smoke else 2048
+    from benchmarks.run import matmul_gflops
     d: Path = args.dir
     d.mkdir(parents=True, exist_ok=True)
     py = sys.executable
@@ -248,7 +247,7 @@ def bench(args) -> dict:
     rates = []
     for r in args.resolutions:
         h, w = resolution(r)
-        rates.append(matmul_gflops(n))
+        rates.append(matmul_gflops(args.smoke))
         png_q, png_d = d / f"qic-{r}.png", d / f"diffusers-{r}.png"
         qcmd = [py, "-m", "qic.cli", "run", str(bundle), "--prompt", PROMPT, "--seed", str(SEED), "--steps",
                 str(args.steps), "--guidance", str(GUIDANCE), "--height", str(h), "--width", str(w),
@@ -268,7 +267,7 @@ def bench(args) -> dict:
 
     lengths = templated_lengths(ckpt, [PROMPT, " "])
     res["templated_lengths"] = lengths
-    rates.append(matmul_gflops(n))
+    rates.append(matmul_gflops(args.smoke))
     res["matmul_gflops"], res["matmul_gflops_all"] = max(rates), rates
     for r in args.resolutions:
         run = res["runs"][r]

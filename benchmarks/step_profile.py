@@ -29,7 +29,6 @@ import torch
 
 from benchmarks import parse_args
 from benchmarks.realwidth import CONFIGS, reduced_configs
-from benchmarks.run import SMOKE_MATMUL
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "mkl_linear",
           "aten::_mkl", "_linear_pointwise", "onednn")
@@ -47,10 +46,10 @@ def category(name: str) -> str:
     return "other"
 
 
-def matmul_rate(n: int = 2048) -> float:
-    """FLOP/s of an n^3 fp32 matmul (2048: the same measure as the other benchmarks', benchmarks.run)."""
+def matmul_rate(smoke: bool = False) -> float:
+    """FLOP/s of a 2048^3 fp32 matmul: the same measure as the other benchmarks' (benchmarks.run; --smoke's smaller)."""
     from benchmarks.run import matmul_gflops
-    return matmul_gflops(n) * 1e9
+    return matmul_gflops(smoke) * 1e9
 
 
 def _timed(fn) -> float:
@@ -183,10 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model's widths instead of the real ones")
     args = parse_args(ap, argv, {"size": 32, "depth": 1, "runs": 1, "tiny": True})
-    n = SMOKE_MATMUL if args.smoke else 2048
-    rate = matmul_rate(n)
+    rate = matmul_rate(args.smoke)
     res = profile(args.size, args.bucket, args.depth, args.runs, args.tiny, both=not args.smoke)
-    print(report(res, (rate + matmul_rate(n)) / 2))   # the rate before and after, averaged: it drifts
+    print(report(res, (rate + matmul_rate(args.smoke)) / 2))   # the rate before and after, averaged: it drifts
 
 
 if __name__ == "__main__":
