@@ -280,7 +280,8 @@ def spawn(fn: Callable, tp: int, *args, threads: int = 1, timeout: float | None 
     start = start or os.environ.get(START_ENV) or "spawn"
     if start not in ("spawn", "fork", "forkserver"):
         raise ConfigError(f"{START_ENV}={start}: ranks start by spawn, fork or forkserver")
-    if start != "spawn" and start not in mp.get_all_start_methods() or start == "fork" and threading.active_count() > 1:
+    unavailable = start != "spawn" and start not in mp.get_all_start_methods()
+    if unavailable or (start == "fork" and threading.active_count() > 1):   # a held lock would stay held in a fork
         start = "spawn"
     ctx = mp.get_context(start)
     if start == "forkserver":
