@@ -2,7 +2,7 @@
 
     python -m benchmarks.step_cache [--models shapes,realwidth] [--steps 20,50] [--dir artifacts/step-cache]
     python -m benchmarks.step_cache --plots-only     # redraw docs/img/step-cache.png from docs/img/step-cache.json
-    python -m benchmarks.step_cache --smoke          # the embedded tiny model, 48x80, 3 steps, into a temp dir
+    python -m benchmarks.step_cache --smoke          # the embedded tiny model, 48x80, 3 steps, export, in a temp dir
 
 In one run, per model (the trained embedded:shapes at 128x128; the real-width random checkpoint of
 benchmarks.realwidth at --realwidth-depth blocks and 128x128; --smoke: the tiny random one):
@@ -126,10 +126,11 @@ def checkpoint(model: str, work: Path, depth: int) -> tuple[Path, tuple[int, int
     return write_checkpoint(work / "ckpt-shapes", "shapes"), (128, 128)
 
 
-def build(ckpt: Path, res, bucket: int, out: Path, cache_dir: Path) -> Path:
+def build(ckpt: Path, res, bucket: int, out: Path, cache_dir: Path, backend: str) -> Path:
     subprocess.run([sys.executable, "-m", "qic.cli", "build", "--model", str(ckpt), "--resolution",
                     "{}x{}".format(*res), "--text-buckets", str(bucket), "--step-cache", "1,0", "--cache-dir",
-                    str(cache_dir), "--output", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+                    str(cache_dir), "--output", str(out), "--backend", backend], check=True, cwd=REPO,
+                   stdout=subprocess.DEVNULL)
     return out
 
 
@@ -137,9 +138,10 @@ def bench_model(model: str, args, work: Path) -> list[dict]:
     from qic.runtime.bundle import Bundle
     from qic.runtime.generate import Request, generate
     ckpt, res = checkpoint(model, work, args.realwidth_depth)
-    # The tiny model's bucket is the test suite's step-caching bundle's (tests/test_step_cache.py): cache hits.
+    # The tiny model's bucket (and --smoke's back end) are the test suite's step-caching bundle's
+    # (tests/test_step_cache.py): cache hits.
     bucket = 72 if model == "tiny" else 128
-    bundle = Bundle(build(ckpt, res, bucket, work / f"bundle-{model}", Path(args.cache_dir)))
+    bundle = Bundle(build(ckpt, res, bucket, work / f"bundle-{model}", Path(args.cache_dir), args.backend))
     pipe = diffusers_pipe(ckpt)
     prompt, rows = PROMPTS[model], []
 
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--img", default=str(REPO / "docs" / "img" / "step-cache.png"))
     ap.add_argument("--results", default=None, help="the figures' JSON (default: beside --img)")
     ap.add_argument("--plots-only", action="store_true")
-    args = parse_args(ap, argv, {"models": "tiny", "steps": "3", "dir": None, "img": None})
+    ap.add_argument("--backend", default="inductor", help="qic build's back end (--smoke: export, whose programs "
+                    "torch runs: the smoke checks the run's steps, not compiled speed)")
+    args = parse_args(ap, argv, {"models": "tiny", "steps": "3", "dir": None, "img": None, "backend": "export"})
     work = Path(args.dir) if args.dir else smoke_dir("step_cache")
     img = Path(args.img) if args.img else work / "img" / "step-cache.png"
     # The figures behind the plot sit beside it (committed), so a run of one model or step count replaces

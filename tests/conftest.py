@@ -169,15 +169,25 @@ def bundle(shared_dir, cache_dir, tiny_ckpt) -> Path:
                   "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS)))[0]
 
 
-@pytest.fixture(scope="session")
-def bundle_two_res(shared_dir, cache_dir, tiny_ckpt):
-    """The session bundle's build with the export back end, then with a second resolution added: (that bundle's
-    path, the second build's stdout). Export (torch.export programs run by torch, nothing compiled): what its tests
-    check is the build's reuse and the host program at another size; each kind of graph is compiled in `bundle`."""
-    args = ["--model", tiny_ckpt, "--cache-dir", cache_dir, "--backend", "export", "--resolution",
+def _export_args(tiny_ckpt, cache_dir) -> list:
+    return ["--model", tiny_ckpt, "--cache-dir", cache_dir, "--backend", "export", "--resolution",
             "{}x{}".format(*TINY_RES), "--text-buckets", ",".join(map(str, BUCKETS))]
-    _build(shared_dir, "bundle-one-res-export", *args)
-    return _build(shared_dir, "bundle-two-res", *args, "--resolution", "{}x{}".format(*SECOND_RES))
+
+
+@pytest.fixture(scope="session")
+def bundle_export(shared_dir, cache_dir, tiny_ckpt) -> Path:
+    """The session bundle's build with the export back end (torch.export programs run by torch, nothing
+    compiled): the uncached image of tests/test_step_cache.py's export split bundle, bit for bit."""
+    return _build(shared_dir, "bundle-one-res-export", *_export_args(tiny_ckpt, cache_dir))[0]
+
+
+@pytest.fixture(scope="session")
+def bundle_two_res(bundle_export, shared_dir, cache_dir, tiny_ckpt):
+    """bundle_export's build with a second resolution added: (that bundle's path, the second build's stdout). What
+    its tests check is the build's reuse and the host program at another size; each kind of graph is compiled in
+    `bundle`."""
+    return _build(shared_dir, "bundle-two-res", *_export_args(tiny_ckpt, cache_dir), "--resolution",
+                  "{}x{}".format(*SECOND_RES))
 
 
 @pytest.fixture(scope="session")
@@ -189,9 +199,10 @@ def bundle_exact(bundle, shared_dir, cache_dir, tiny_ckpt) -> Path:
 
 @pytest.fixture(scope="session")
 def bundle_tp2(bundle, shared_dir, cache_dir, tiny_ckpt) -> Path:
-    """The embedded model built with --tp 2 (one resolution, one bucket); the VAE graph is shared."""
+    """The embedded model built with --tp 2 (one resolution, one bucket); the VAE graph is shared, and the TP 2
+    text encoder at bucket 72 is the compiled layouts' (tests/test_compiled_layouts.py): one graph compiled."""
     return _build(shared_dir, "bundle-tp2", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--tp", "2",
-                  "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,")[0]
+                  "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,")[0]
 
 
 @pytest.fixture(scope="session")
@@ -278,7 +289,8 @@ def shapes_bundle_batch2(shared_dir, cache_dir) -> Path:
     """The trained model at 128x128 with batch sizes 1 and 2, and step caching's split graphs for cache-dit's
     DBCache with Fn 2, Bn 1 (tests/test_step_cache.py), built with the export back end: its tests are of the host
     program (DBCache's decisions, batches through qic serve), and the compiled batch-2 and split graphs are
-    bundle_batch2's and test_step_cache.py's fbc_bundle's (the compile of 7 graphs at 128x128 saved)."""
+    bundle_batch2's and tests/test_compiled_layouts.py's TP 2 x CFG-parallel 2 bundle's (the compile of 7 graphs at
+    128x128 saved)."""
     return _build(shared_dir, "bundle-shapes-batch2", "--cache-dir", cache_dir, "--backend", "export",
                   "--resolution", "{}x{}".format(*SHAPES_RES), "--batch-sizes", "1,2", "--step-cache", "2,1")[0]
 

@@ -131,10 +131,10 @@ def _draws_like_inductor(neuron: Path, inductor: Path, workdir: Path, tag: str, 
 
 @pytest.fixture(scope="session")
 def neuron_bundle_tp2(workdir, neuron_cache, tiny_ckpt) -> tuple[Path, subprocess.CompletedProcess]:
-    """bundle_tp2's spec (TP 2, bucket 128) on the neuron back end; the VAE graph is neuron_bundle's."""
+    """bundle_tp2's spec (TP 2, bucket 72) on the neuron back end; the VAE graph is neuron_bundle's."""
     out = workdir / "bundle-neuron-tp2"
     proc = xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
-                   "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--tp", "2")
+                   "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,", "--tp", "2")
     return out, proc
 
 
@@ -144,7 +144,7 @@ def test_tp2_build_checks_every_rank_on_as_many_xla_cpu_devices(neuron_bundle_tp
     bundle, proc = neuron_bundle_tp2
     graphs = {g["name"]: g["checks"] for g in _manifest(bundle)["graphs"]}
     assert {n: c["xla_cpu_ranks"] for n, c in graphs.items()} == {
-        "text_encoder@L128": 2, "denoiser@48x80@L128": 2, "vae_decoder@48x80": 1}
+        "text_encoder@L72": 2, "denoiser@48x80@L72": 2, "vae_decoder@48x80": 1}
     for name, c in graphs.items():
         print(name, c)
         assert 0 <= c["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2 and c["xla_cpu_max_abs"] >= 0, name
@@ -168,9 +168,9 @@ def test_cfg_parallel_neuron_bundle_runs_on_xla_cpu_like_the_inductor_tp2_bundle
     cache hits of neuron_bundle's)."""
     out = workdir / "bundle-neuron-cfg2"
     xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
-            "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "128,", "--cfg-parallel")
+            "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,", "--cfg-parallel")
     ranks = {g["name"]: g["checks"]["xla_cpu_ranks"] for g in _manifest(out)["graphs"]}
-    assert ranks == {"text_encoder@L128": 1, "denoiser@48x80@L128": 2, "vae_decoder@48x80": 1}
+    assert ranks == {"text_encoder@L72": 1, "denoiser@48x80@L72": 2, "vae_decoder@48x80": 1}
     _draws_like_inductor(out, bundle_tp2, workdir, "cfg2", wrong_seed=False)
 
 

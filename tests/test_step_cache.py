@@ -83,12 +83,14 @@ def _some_cached(computed: dict, steps: int) -> bool:
 # ------------------------------------------------------------------------------------------ bundles
 
 @pytest.fixture(scope="module")
-def fbc_bundle(bundle, workdir, cache_dir, tiny_ckpt):
-    """The tiny random checkpoint (3 blocks) with FirstBlockCache's split (1, 0): the text encoder, whole step
-    and decoder are the session bundle's (cache hits); four split graphs are new."""
+def fbc_bundle(bundle_export, workdir, cache_dir, tiny_ckpt):
+    """The tiny random checkpoint (3 blocks) with FirstBlockCache's split (1, 0), built with the export back end:
+    the text encoder, whole step and decoder are bundle_export's (cache hits), four split graphs are new. The tests
+    here are of the host program's decisions and images against diffusers'; the split graphs compiled by inductor
+    are tests/test_compiled_layouts.py's TP 2 x CFG-parallel 2 bundle's, held to diffusers' FirstBlockCache there."""
     out = workdir / "bundle-step-cache-fbc"
     qic("build", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--output", out, "--resolution",
-        "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--step-cache", "1,0")
+        "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--step-cache", "1,0", "--backend", "export")
     return out
 
 
@@ -157,10 +159,11 @@ def test_first_block_cache_matches_diffusers_on_random_weights(fbc_bundle, tiny_
     assert image_diff(uncached, ref)[0] > 2
 
 
-def test_threshold_zero_is_the_uncached_image_and_a_mask_replays_decisions(fbc_bundle, bundle, tmp_path):
-    """--cache-threshold 0 runs the whole-step graph: the image of a bundle without step caching, exactly.
-    A static mask of the steps a threshold run computed gives that run's image exactly (no figure read)."""
-    plain, _ = _qic_run(bundle, tmp_path, "bundle")
+def test_threshold_zero_is_the_uncached_image_and_a_mask_replays_decisions(fbc_bundle, bundle_export, tmp_path):
+    """--cache-threshold 0 runs the whole-step graph: the image of a bundle without step caching (of the same
+    back end), exactly. A static mask of the steps a threshold run computed gives that run's image exactly (no
+    figure read)."""
+    plain, _ = _qic_run(bundle_export, tmp_path, "bundle")
     zero, _ = _qic_run(fbc_bundle, tmp_path, "zero", "--cache-threshold", 0)
     assert np.array_equal(np.asarray(plain), np.asarray(zero))
     assert "step_cache" not in zero.text
@@ -378,10 +381,11 @@ def test_tp2_rank_killed_mid_loop_is_one_line_naming_it(fbc_bundle_tp2, tmp_path
     assert seconds < DEFAULT_TIMEOUT.total_seconds() + REPORT_GRACE_S
 
 
-def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_inductor(fbc_bundle, workdir, neuron_cache, tiny_ckpt,
-                                                                      tmp_path):
+def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_torch(fbc_bundle, workdir, neuron_cache, tiny_ckpt,
+                                                                   tmp_path):
     """`qic build --backend neuron --step-cache 1,0`: every split graph lowered and checked on XLA:CPU at build
-    time (the manifest's figures), then run with --device xla-cpu: the inductor bundle's decisions and image."""
+    time (the manifest's figures), then run with --device xla-cpu: the decisions and image of the export bundle
+    (the same exported graphs run by torch)."""
     from tests.test_neuron_xla import XLA_CPU_REL_L2, xla_qic
     out = workdir / "bundle-neuron-step-cache"
     xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
@@ -392,10 +396,10 @@ def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_inductor(fbc_bundl
     flags = ["--prompt", SHORT_PROMPT, "--steps", STEPS, "--cache-threshold", 1.2]
     xla_qic("run", out, "--device", "xla-cpu", *flags, "--output", tmp_path / "xla.png")
     xla_image = Image.open(tmp_path / "xla.png")
-    ind_image, _ = _qic_run(fbc_bundle, tmp_path, "inductor", "--cache-threshold", 1.2)
-    assert _computed(xla_image) == _computed(ind_image)
-    worst, mean = image_diff(xla_image, ind_image)
-    print(f"xla-cpu vs inductor, threshold 1.2: max {worst:.0f}/255, mean {mean:.5f} levels")
+    torch_image, _ = _qic_run(fbc_bundle, tmp_path, "export", "--cache-threshold", 1.2)
+    assert _computed(xla_image) == _computed(torch_image)
+    worst, mean = image_diff(xla_image, torch_image)
+    print(f"xla-cpu vs export, threshold 1.2: max {worst:.0f}/255, mean {mean:.5f} levels")
     assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
 
 

@@ -61,7 +61,8 @@ def _check(bundle, pipe, threshold, guidance):
 def test_no_cfg_graph_with_exact_length_text(pipe, tiny_ckpt, cache_dir, workdir):
     """Guidance 1 on a bundle of no-CFG graphs only, text at its exact length: one row a step, decided as
     diffusers decides its cond-only run. Built with the export back end (the decisions are the host program's):
-    the compiled exact-length graph is bundle_exact's, the no-CFG graph test_nocfg.py's, the split fbc_bundle's."""
+    the compiled exact-length graph is bundle_exact's, the no-CFG graph test_nocfg.py's, the split graphs those of
+    tests/test_compiled_layouts.py's TP 2 x CFG-parallel 2 bundle."""
     out = workdir / "bundle-fbc-nocfg-exact"
     _build(tiny_ckpt, cache_dir, out, cfg=[False], text_buckets=0, backend="export")
     _check(out, pipe, 1.2, guidance=1.0)

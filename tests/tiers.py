@@ -32,7 +32,7 @@ REFUSING_CXX = ROOT / "tests" / "fakes" / "refusing_cxx"
 
 # Fixtures that build a bundle (tests/conftest.py): a test that takes one is in the slow tier.
 SLOW_FIXTURES = frozenset({
-    "bundle", "bundle_two_res", "bundle_exact", "bundle_tp2", "bundle_batch2",
+    "bundle", "bundle_export", "bundle_two_res", "bundle_exact", "bundle_tp2", "bundle_batch2",
     "q21_bundle", "q21_bundle_tp2", "q21_bundle_cfgp", "shapes_bundle", "shapes_bundle_batch2",
 })
 
