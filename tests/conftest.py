@@ -199,8 +199,7 @@ def bundle_exact(bundle, shared_dir, cache_dir, tiny_ckpt) -> Path:
 
 @pytest.fixture(scope="session")
 def bundle_tp2(bundle, shared_dir, cache_dir, tiny_ckpt) -> Path:
-    """The embedded model built with --tp 2 (one resolution, one bucket); the VAE graph is shared, and the TP 2
-    text encoder at bucket 72 is the compiled layouts' (tests/test_compiled_layouts.py): one graph compiled."""
+    """The embedded model built with --tp 2 (one resolution, one bucket); the VAE graph is shared."""
     return _build(shared_dir, "bundle-tp2", "--model", tiny_ckpt, "--cache-dir", cache_dir, "--tp", "2",
                   "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72,")[0]
 
@@ -272,9 +271,19 @@ def shapes_ckpt(shared_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def shapes_bundle(shared_dir, cache_dir) -> Path:
-    """The default build exactly (`qic build` naming no model: embedded:shapes at its three resolutions), so
-    tests/test_install.py's default builds are cache hits."""
-    return _build(shared_dir, "bundle-shapes", "--cache-dir", cache_dir)[0]
+    """The default model (`qic build` naming none: embedded:shapes) at the resolution `make run` draws at, so
+    tests/test_install.py's builds are cache hits: the trained model's graphs compiled once. Its other two
+    resolutions give graphs of the same kinds (keys that differ in a resolution only), drawn through
+    shapes_bundle_export."""
+    return _build(shared_dir, "bundle-shapes", "--cache-dir", cache_dir, "--resolution",
+                  "{}x{}".format(*SHAPES_RES))[0]
+
+
+@pytest.fixture(scope="session")
+def shapes_bundle_export(shared_dir, cache_dir) -> Path:
+    """The default build exactly (embedded:shapes at its three resolutions) with the export back end (torch runs
+    the exported programs): the meaning and parity checks at the resolutions shapes_bundle does not compile."""
+    return _build(shared_dir, "bundle-shapes-export", "--cache-dir", cache_dir, "--backend", "export")[0]
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests import zygote_client as zygote
 from tests.conftest import ROOT, xdist_worker
 
 pytestmark = pytest.mark.slow   # each smoke runs a benchmark: builds, compiles, serves
@@ -79,22 +80,31 @@ class Smokes:
         self.futures = {n: self.pool.submit(self._run, n, cache_dir, work / n) for n in SMOKES if n in names}
 
     def _run(self, name: str, cache_dir, work) -> tuple[int, str, str, float]:
+        """The smoke in a session of its own (what it starts is killed with it), forked from the zygote of its
+        python (tests/zygote.py: the interpreter and torch already started), its streams written to files."""
         python = str(XLA_PYTHON) if name == "xla_lowering" else sys.executable
         args = ["--dir", work, "--cache-dir", cache_dir] if name in BUILDS else []
+        argv = [python, "-m", f"benchmarks.{name}", "--smoke", *map(str, args)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)} if name == "xla_lowering" else dict(os.environ)
+        streams = self.work / f"{name}.stdout", self.work / f"{name}.stderr"
         t0 = time.perf_counter()
-        proc = self.procs[name] = subprocess.Popen(
-            [python, "-m", f"benchmarks.{name}", "--smoke", *map(str, args)], cwd=ROOT, env=dict(os.environ),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if zygote.forkable(argv):
+            proc = zygote.Popen(argv, env, ROOT, *streams, start_new_session=True)
+        else:
+            with open(streams[0], "w") as out, open(streams[1], "w") as err:
+                proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        self.procs[name] = proc
         try:
-            out, err = proc.communicate(timeout=SMOKES[name][0])
+            code = proc.wait(timeout=SMOKES[name][0])
         except subprocess.TimeoutExpired:
             self._kill(proc)
-            out, err = proc.communicate()
-            return -1, out, err, time.perf_counter() - t0
-        return proc.returncode, out, err, time.perf_counter() - t0
+            proc.wait()
+            code = -1
+        out, err = (path.read_text(errors="replace") for path in streams)
+        return code, out, err, time.perf_counter() - t0
 
     @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
+    def _kill(proc) -> None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)   # its own session: the benchmark and what it started
         except ProcessLookupError:

@@ -74,3 +74,23 @@ def test_an_export_bundle_at_tp_2_draws_tp_1s_image(export_bundle, tiny_ckpt, tm
     mx, mean = image_diff(one, two)
     print(f"export TP 2 vs TP 1: max {mx:.0f}/255 mean {mean:.4f}")
     assert mx <= BOUND and mean < 0.05
+
+
+def test_a_run_reads_only_the_programs_it_calls(bundle_two_res, monkeypatch):
+    """A program is read back at its first call: opening a bundle of two resolutions and two buckets reads none,
+    a request refused before any graph runs (a size the bundle lacks) reads none, and an image at one size and
+    bucket reads its text encoder, step and decoder only, once each (a second image reads nothing more)."""
+    from qic.errors import QicError
+    reads = []
+    real = torch.export.load
+    monkeypatch.setattr(torch.export, "load", lambda path, *a, **kw: reads.append(path) or real(path, *a, **kw))
+    bundle = Bundle(bundle_two_res[0])
+    assert len(bundle.graphs) == 8 and reads == []
+    with pytest.raises(QicError):
+        generate(bundle, Request(SHORT, steps=2, height=64, width=64))
+    assert reads == []
+    for seed in (0, 1):
+        generate(bundle, Request(SHORT, steps=2, seed=seed, height=TINY_RES[0], width=TINY_RES[1]))
+    files = {str(bundle.path / g["file"]): g["name"] for g in bundle.manifest["graphs"]}
+    assert sorted(files[p] for p in reads) == ["denoiser@{}x{}@L72".format(*TINY_RES), "text_encoder@L72",
+                                               "vae_decoder@{}x{}".format(*TINY_RES)], reads

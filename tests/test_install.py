@@ -14,11 +14,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tests.conftest import MAKE_EDIT, MAKE_EDIT_BUILD, ROOT
+from tests.conftest import MAKE_EDIT, MAKE_EDIT_BUILD, ROOT, SHAPES_RES
 from training import shapes, shapes_edit
 
 # `make run`'s prompt, read from the Makefile so the two cannot drift apart.
 PROMPT = re.search(r"^PROMPT \?= (.+)$", (ROOT / "Makefile").read_text(), re.M)[1].strip()
+# `make run`'s build at the one resolution its picture is drawn at (the session's shapes_bundle: cache hits).
+DEFAULT_AT_ONE_SIZE = ("--resolution", "{}x{}".format(*SHAPES_RES))
 
 
 def _sources(dest: Path) -> Path:
@@ -51,11 +53,11 @@ def _qic(bin_dir: Path, cwd: Path, *args) -> subprocess.CompletedProcess:
 
 def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp_path, shapes_bundle,
                                                                             shapes_edit_bundle, cache_dir):
-    """`shapes_bundle` fills the session cache with the default graphs (the trained model at its three
-    resolutions, bucket 128), and `shapes_edit_bundle` with `make edit`'s, so the builds below compile nothing; the
+    """`shapes_bundle` fills the session cache with the default model's graphs at the resolution `make run` draws
+    at (bucket 128), and `shapes_edit_bundle` with `make edit`'s, so the builds below compile nothing; the
     installed copy computes the same spec keys, since its files are the package's (trained weights included). What
-    `make run` and `make edit` do, from an empty directory: the picture shows `make run`'s prompt, the edit shows it
-    edited as `make edit` says."""
+    `make run` (at that one resolution) and `make edit` do, from an empty directory: the picture shows `make run`'s
+    prompt, the edit shows it edited as `make edit` says."""
     bin_dir = _fresh_venv(tmp_path / "venv")
     src = _sources(tmp_path / "src")
     # `pip install .` in its two steps: the wheel built by this environment's setuptools (no download: the
@@ -76,7 +78,7 @@ def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    _qic(bin_dir, empty, "build", "--cache-dir", cache_dir)
+    _qic(bin_dir, empty, "build", *DEFAULT_AT_ONE_SIZE, "--cache-dir", cache_dir)
     _qic(bin_dir, empty, "run", "artifacts/shapes", "--prompt", PROMPT, "--output", "installed.png")
     image = np.asarray(Image.open(empty / "installed.png").convert("RGB"))
     assert shapes.means(image, PROMPT), (PROMPT, shapes.read_image(image))
@@ -89,6 +91,6 @@ def test_pip_installed_qic_builds_and_runs_the_default_in_an_empty_directory(tmp
     # The same default through the checkout's own qic, in another empty directory: the same bytes.
     other = tmp_path / "other"
     other.mkdir()
-    _qic(Path(sys.executable).parent, other, "build", "--cache-dir", cache_dir)
+    _qic(Path(sys.executable).parent, other, "build", *DEFAULT_AT_ONE_SIZE, "--cache-dir", cache_dir)
     _qic(Path(sys.executable).parent, other, "run", "artifacts/shapes", "--prompt", PROMPT, "--output", "checkout.png")
     assert (empty / "installed.png").read_bytes() == (other / "checkout.png").read_bytes()

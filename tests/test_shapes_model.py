@@ -66,10 +66,16 @@ def test_held_out_triples_are_drawn_as_asked(shapes_bundle):
     assert right >= MIN_RIGHT, wrong
 
 
-def test_training_triples_are_drawn_as_asked_at_every_resolution(shapes_bundle):
+def test_training_triples_are_drawn_as_asked_at_every_resolution(shapes_bundle, shapes_bundle_export):
+    """At 128x128 through the compiled bundle, at the default build's other two resolutions through its export
+    bundle (the same graphs at other sizes, run by torch)."""
     res = ((128, 128), (96, 160), (160, 96))
     jobs = [(shapes.prompt_of(*t), s, res[(i + s) % 3]) for i, t in enumerate(TRAIN_SAMPLE) for s in SEEDS[:2]]
-    right, wrong = _score(_draw(shapes_bundle, jobs), [p for p, _, _ in jobs])
+    images = {}
+    for bundle, here in ((shapes_bundle, lambda r: r == SHAPES_RES), (shapes_bundle_export, lambda r: r != SHAPES_RES)):
+        mine = [job for job in jobs if here(job[2])]
+        images.update(zip(mine, _draw(bundle, mine)))
+    right, wrong = _score([images[job] for job in jobs], [p for p, _, _ in jobs])
     print(f"training sample: {right:.3f} right of {len(jobs)}; wrong: {wrong}")
     assert right >= MIN_RIGHT, wrong
 
@@ -84,16 +90,18 @@ def test_one_seed_two_prompts_two_pictures(shapes_bundle):
     assert read == pairs, read
 
 
-def test_qic_run_equals_diffusers_on_the_trained_model(shapes_ckpt, shapes_bundle, tmp_path):
-    """`qic run` (the CLI, default settings: 20 steps, CFG 4) vs diffusers' QwenImagePipeline on the same files.
+def test_qic_run_equals_diffusers_on_the_trained_model(shapes_ckpt, shapes_bundle, shapes_bundle_export, tmp_path):
+    """`qic run` (the CLI, default settings: 20 steps, CFG 4) vs diffusers' QwenImagePipeline on the same files,
+    at 128x128 through the compiled bundle, at 96x160 through the export one.
     Bound 2/255 max: the fp32 pipelines agree to ~1e-5 relative, so a pixel moves only where its value sits
     within that of a rounding boundary (tests/test_run.py's argument); mean below 0.05 levels."""
     from tests.conftest import diffusers_image
-    for (colour, shape, background), seed, (h, w) in ((("white", "square", "purple"), 0, (128, 128)),
-                                                      (("orange", "triangle", "black"), 5, (96, 160))):
+    for (colour, shape, background), seed, (h, w), bundle in (
+            (("white", "square", "purple"), 0, (128, 128), shapes_bundle),
+            (("orange", "triangle", "black"), 5, (96, 160), shapes_bundle_export)):
         prompt = shapes.prompt_of(colour, shape, background)
         png = tmp_path / f"{seed}.png"
-        qic("run", shapes_bundle, "--prompt", prompt, "--seed", seed, "--height", h, "--width", w, "--output", png)
+        qic("run", bundle, "--prompt", prompt, "--seed", seed, "--height", h, "--width", w, "--output", png)
         ref = diffusers_image(shapes_ckpt, prompt, seed=seed, steps=STEPS, guidance=GUIDANCE, height=h, width=w)
         mx, mean = image_diff(Image.open(png).convert("RGB"), ref)
         print(f"{prompt} {h}x{w}: qic vs diffusers max {mx:.0f}/255 mean {mean:.4f}")

@@ -192,10 +192,11 @@ def test_inspect_names_the_split_and_lists_its_graphs(fbc_bundle, bundle):
     assert graphs   # the table was read
 
 
-def test_first_block_cache_matches_diffusers_on_the_trained_model(shapes_bundle, workdir, cache_dir, shapes_pipe,
-                                                                  tmp_path):
+def test_first_block_cache_matches_diffusers_on_the_trained_model(shapes_bundle_export, workdir, cache_dir,
+                                                                  shapes_pipe, tmp_path):
     """The trained model (4 blocks) with FirstBlockCache's split, 20 steps: the host program's decisions against
-    diffusers'. Built with the export back end (nothing compiled): the compiled split graphs are fbc_bundle's."""
+    diffusers'. Built with the export back end (nothing compiled; the whole step, text encoder and decoder are
+    shapes_bundle_export's): the compiled split graphs are tests/test_compiled_layouts.py's."""
     out = workdir / "bundle-shapes-fbc"
     qic("build", "--cache-dir", cache_dir, "--output", out, "--resolution", "{}x{}".format(*SHAPES_RES),
         "--step-cache", "1,0", "--backend", "export")

@@ -69,12 +69,13 @@ def test_no_cfg_graph_with_exact_length_text(pipe, tiny_ckpt, cache_dir, workdir
 
 
 def test_merged_lora(pipe, tiny_ckpt, cache_dir, workdir):
-    """A LoRA merged at build time (the split graphs take the merged weights as every graph does: compiled
-    graphs are weight-independent) against diffusers with the same LoRA fused."""
+    """A LoRA merged at build time (the split graphs take the merged weights as every graph does: graphs are
+    weight-independent) against diffusers with the same LoRA fused. Built with the export back end, as
+    tests/test_step_cache.py's bundle of this split: what is checked is the merged weights and the decisions."""
     lora = workdir / "fbc-lora.safetensors"
     write_lora("peft", lora_factors(tiny_ckpt), lora)
     out = workdir / "bundle-fbc-lora"
-    _build(tiny_ckpt, cache_dir, out, text_buckets=72, loras=[f"{lora}:{SCALE}"])
+    _build(tiny_ckpt, cache_dir, out, text_buckets=72, loras=[f"{lora}:{SCALE}"], backend="export")
     pipe.load_lora_weights(str(lora), adapter_name="fbc")
     pipe.fuse_lora(lora_scale=SCALE)
     try:

@@ -33,7 +33,8 @@ REFUSING_CXX = ROOT / "tests" / "fakes" / "refusing_cxx"
 # Fixtures that build a bundle (tests/conftest.py): a test that takes one is in the slow tier.
 SLOW_FIXTURES = frozenset({
     "bundle", "bundle_export", "bundle_two_res", "bundle_exact", "bundle_tp2", "bundle_batch2",
-    "q21_bundle", "q21_bundle_tp2", "q21_bundle_cfgp", "shapes_bundle", "shapes_bundle_batch2",
+    "q21_bundle", "q21_bundle_tp2", "q21_bundle_cfgp", "shapes_bundle", "shapes_bundle_export",
+    "shapes_bundle_batch2",
 })
 
 # The fast tier's ceiling for one test (setup and call) on an unloaded machine: about the cost of compiling one

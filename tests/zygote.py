@@ -12,9 +12,10 @@ environment (PYTHONPATH, OMP_*, MKL_*, KMP_*, TORCH*, LD_*, inductor's and the C
 keys them), and a run asking for an interpreter option (PYTHONPROFILEIMPORTTIME and the like) is a plain subprocess.
 The zygote never runs a torch operator, so no OpenMP thread pool exists to be broken by the fork.
 
-Protocol (one Unix-socket connection a run): the client sends one JSON line {module, args, env, cwd, stdout, stderr}
-(the last two: files the run writes its streams to); the zygote forks a runner for the connection, which forks
-the run and answers two lines, the run's pid and then its exit status as subprocess reports it (-N: signal N).
+Protocol (one Unix-socket connection a run): the client sends one JSON line {module, args, env, cwd, stdout, stderr,
+new_session} (stdout, stderr: files the run writes its streams to; new_session: start it in a session of its own);
+the zygote forks a runner for the connection, which forks the run and answers two lines, the run's pid and then its
+exit status as subprocess reports it (-N: signal N).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_", "GOMP_", "A
 def _run(request: dict) -> None:
     """In the forked run: become `python -m MODULE ARGS` and exit as it would. Never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if request.get("new_session"):   # as subprocess's start_new_session: a process group to kill whole
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

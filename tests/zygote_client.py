@@ -1,13 +1,15 @@
 """The tests' side of tests/zygote.py: a zygote per pytest process, interpreter and import-time environment,
-started on first use, and `run`, which gives what `subprocess.run(argv, capture_output=True, text=True)` gives
-for a `python -m MODULE ARGS` argv."""
+started on first use; `run`, which gives what `subprocess.run(argv, capture_output=True, text=True)` gives for a
+`python -m MODULE ARGS` argv, and `Popen`, for such a run that goes on in the background (a server)."""
 
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -55,6 +57,50 @@ def forkable(argv: list[str], overrides: dict | None = None, **kw) -> bool:
     started with it), and few zygotes of other import-time environments running."""
     options = [k for k in overrides or {} if k.startswith("PYTHON") and k != "PYTHONPATH"]
     return len(argv) >= 3 and argv[1] == "-m" and set(kw) <= {"timeout"} and not options and len(_zygotes) < 4
+
+
+class Popen:
+    """A `python -m MODULE ARGS` fork of the zygote that runs on in the background (a server): what subprocess.Popen
+    gives for it (pid, poll, wait, send_signal, terminate, kill, returncode), its standard streams written to the
+    files `stdout` and `stderr`. The run is the zygote's grandchild, so its exit status comes over the connection."""
+
+    def __init__(self, argv: list[str], env: dict, cwd, stdout: Path, stderr: Path, start_new_session: bool = False):
+        from tests.tiers import count_process
+        z = _zygote(argv[0], env)
+        count_process()
+        self.args, self.returncode = argv, None
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(z["path"])
+        self._conn.sendall((json.dumps({"module": argv[2], "args": argv[3:], "env": env, "cwd": str(cwd),
+                                        "stdout": str(stdout), "stderr": str(stderr),
+                                        "new_session": start_new_session}) + "\n").encode())
+        self._replies = self._conn.makefile("r")
+        self.pid = int(self._replies.readline())
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(self._replies.readline())   # the runner writes the line whole
+            self._replies.close()
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def run(argv: list[str], env: dict, cwd, timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@ torch under inference mode (the same mode as the inductor back end's runs, for t
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -24,12 +25,20 @@ def describe(manifest: dict) -> tuple[list[str], dict]:
 
 def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, world: int = 1,
          manifest: dict | None = None):
-    module = torch.export.load(str(path)).module()
+    """The program is read at its first call, not here: reading one back (torch.export.load and .module(), which
+    rebuild its graph and Python code) takes about half a second on two cores, and a run calls only the graphs of
+    its resolution, bucket and images, so a bundle of 11 programs started in 5 s where one image needed 4 of them,
+    and a request refused for its input had read them all first. The files were verified when the bundle opened."""
     bound = [w if w.device.type == device else w.to(device) for w in weights]
+    module, lock = [], threading.Lock()   # a server's compute threads may reach a graph's first call together
 
     def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not module:
+            with lock:
+                if not module:
+                    module.append(torch.export.load(str(path)).module())
         with torch.inference_mode():
-            out = module(tuple(inputs), bound)
+            out = module[0](tuple(inputs), bound)
         return list(torch.utils._pytree.tree_leaves(out))
 
     return run
