@@ -74,7 +74,8 @@ class Popen:
         self._conn.sendall((json.dumps({"module": argv[2], "args": argv[3:], "env": env, "cwd": str(cwd),
                                         "stdout": str(stdout), "stderr": str(stderr),
                                         "new_session": start_new_session}) + "\n").encode())
-        self._replies = self._conn.makefile("r")
+        # Unbuffered: a read must not take the exit line along with the pid line, or select() below would not see it.
+        self._replies = self._conn.makefile("rb", buffering=0)
         self.pid = int(self._replies.readline())
 
     def wait(self, timeout: float | None = None) -> int:
