@@ -88,12 +88,7 @@ class Smokes:
         env = {**os.environ, "PYTHONPATH": str(ROOT)} if name == "xla_lowering" else dict(os.environ)
         streams = self.work / f"{name}.stdout", self.work / f"{name}.stderr"
         t0 = time.perf_counter()
-        if zygote.forkable(argv):
-            proc = zygote.Popen(argv, env, ROOT, *streams, start_new_session=True)
-        else:
-            with open(streams[0], "w") as out, open(streams[1], "w") as err:
-                proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
-        self.procs[name] = proc
+        proc = self.procs[name] = zygote.popen(argv, env, ROOT, *streams, start_new_session=True)
         try:
             code = proc.wait(timeout=SMOKES[name][0])
         except subprocess.TimeoutExpired:

@@ -236,11 +236,7 @@ class ServeProcess:
         self.log_path = Path(log_path)
         argv = [*QIC, "serve", str(bundle), "--port", "0", *map(str, args)]
         out = self.log_path.with_name(self.log_path.name + ".stdout")
-        if zygote.forkable(argv):
-            self.proc = zygote.Popen(argv, dict(os.environ), ROOT, out, self.log_path)
-        else:
-            with open(out, "w") as stdout, open(self.log_path, "w") as stderr:
-                self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=stdout, stderr=stderr)
+        self.proc = zygote.popen(argv, dict(os.environ), ROOT, out, self.log_path)
         deadline = time.monotonic() + 120
         while not (out.exists() and out.read_text().endswith("\n")):   # the address line, written whole
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log_path.read_text()

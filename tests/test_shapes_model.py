@@ -71,10 +71,10 @@ def test_training_triples_are_drawn_as_asked_at_every_resolution(shapes_bundle, 
     bundle (the same graphs at other sizes, run by torch)."""
     res = ((128, 128), (96, 160), (160, 96))
     jobs = [(shapes.prompt_of(*t), s, res[(i + s) % 3]) for i, t in enumerate(TRAIN_SAMPLE) for s in SEEDS[:2]]
-    images = {}
-    for bundle, here in ((shapes_bundle, lambda r: r == SHAPES_RES), (shapes_bundle_export, lambda r: r != SHAPES_RES)):
-        mine = [job for job in jobs if here(job[2])]
-        images.update(zip(mine, _draw(bundle, mine)))
+    compiled = [job for job in jobs if job[2] == SHAPES_RES]
+    exported = [job for job in jobs if job[2] != SHAPES_RES]
+    images = {**dict(zip(compiled, _draw(shapes_bundle, compiled))),
+              **dict(zip(exported, _draw(shapes_bundle_export, exported)))}
     right, wrong = _score([images[job] for job in jobs], [p for p, _, _ in jobs])
     print(f"training sample: {right:.3f} right of {len(jobs)}; wrong: {wrong}")
     assert right >= MIN_RIGHT, wrong

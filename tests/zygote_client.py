@@ -104,26 +104,25 @@ class Popen:
         self.send_signal(signal.SIGKILL)
 
 
+def popen(argv: list[str], env: dict, cwd, stdout: Path, stderr: Path, start_new_session: bool = False):
+    """A Popen of `argv` with its streams written to the files `stdout` and `stderr`: a fork of the zygote where
+    `forkable`, else a subprocess."""
+    if forkable(argv):
+        return Popen(argv, env, cwd, stdout, stderr, start_new_session)
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=start_new_session)
+
+
 def run(argv: list[str], env: dict, cwd, timeout: float | None = None) -> subprocess.CompletedProcess:
     """argv: [python, "-m", MODULE, ARGS...]; what subprocess.run(argv, capture_output=True, text=True, env=env,
     cwd=cwd, timeout=timeout) returns, from a fork of the zygote of that python and environment."""
-    from tests.tiers import count_process
-    z = _zygote(argv[0], env)
-    count_process()
-    with tempfile.TemporaryDirectory(dir=z["folder"]) as tmp:
+    with tempfile.TemporaryDirectory(dir=_zygote(argv[0], env)["folder"]) as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(z["path"])
-            conn.sendall((json.dumps({"module": argv[2], "args": argv[3:], "env": env, "cwd": str(cwd),
-                                      "stdout": str(out), "stderr": str(err)}) + "\n").encode())
-            replies = conn.makefile("r")
-            pid = int(replies.readline())
-            conn.settimeout(timeout)
-            try:
-                line = replies.readline()
-            except TimeoutError:
-                os.kill(pid, 9)
-                raise subprocess.TimeoutExpired(argv, timeout) from None
-            code = int(line)
+        proc = Popen(argv, env, cwd, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
         return subprocess.CompletedProcess(argv, code, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
