@@ -268,6 +268,9 @@ def test_plan_memos_give_the_computed_plan_and_recompute_what_an_input_changes(t
                   **{f"estimate_graph {c}": 1 for c in spec.components}, "step_traffic": 1}
     assert calls == everything, calls
     assert plan() == first and not calls
+    # The same graphs built by another back end have the same figures: nothing is computed again.
+    assert [g.activation_peak for g in plan(replace(spec, backend="export")).graphs] == [
+        g.activation_peak for g in first.graphs] and not calls
     # The denoiser's dtype: its weights, its graph's estimate and the step's traffic; the others are kept.
     bf16 = replace(spec, dtype=tuple((c, "bfloat16" if c == "denoiser" else d) for c, d in spec.dtype))
     assert plan(bf16) != first and calls == {"weight_bytes denoiser": 2, "estimate_graph denoiser": 1,

@@ -146,7 +146,7 @@ def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
     jobs = []
     for comp_name, shape in graph_shapes(spec):
         comp = family.component(comp_name)
-        deps = {f: {k: v for k, v in raw[f].items() if k not in PROVENANCE_KEYS} for f in comp.config_deps}
+        deps = config_deps(comp_name, raw)
         dtype = comp.run_dtype(spec.dtype_of(comp_name))
         name = name_of(comp_name, shape)
         tp = tp_of(comp_name, spec.tp)
@@ -158,6 +158,13 @@ def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
                              _maker(comp_name, configs, shape, dtype, spec.layout),
                              spec_key(name, shape_key, dtype, tp, deps, where, "")))
     return jobs
+
+
+def config_deps(component: str, raw: dict) -> dict:
+    """The checkpoint's configs that `component`'s graphs read (its config_deps folders), without the keys
+    that only say where and by what a config was written."""
+    return {f: {k: v for k, v in raw[f].items() if k not in PROVENANCE_KEYS}
+            for f in family.component(component).config_deps}
 
 
 def _maker(component: str, configs: dict, shape: dict, dtype: str, layout):

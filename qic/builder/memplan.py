@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from qic import backends, family
 from qic.builder.context import looped, tp_of
-from qic.builder.jobs import code_digest, graph_shapes, make_graph, name_of, plan_jobs
+from qic.builder.jobs import code_digest, config_deps, graph_shapes, make_graph, name_of, plan_jobs
 from qic.cache import layout
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import QicError
@@ -320,9 +320,14 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
         if shape.get("bucket") == 0:  # exact-length text: sized at the longest prompt it accepts
             sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
         gname = name_of(name, shape)
-        inputs, largest, peak, flops = _estimate_cached(cache_dir, keys.get(gname),
-                                                 lambda: estimate_graph(name, configs, tp, spec.dtype_of(name), sized,
-                                                                        spec.layout))
+        comp = family.component(name)
+        # Keyed by what the estimate reads, not by the graph's spec key: the same graph built by another back
+        # end (export, inductor, neuron), with a LoRA merged or for another CPU target has the same figures.
+        key = memo_name("estimate", code, component=name, shape=sized, tp=tp, dtype=comp.run_dtype(spec.dtype_of(name)),
+                        layout=spec.layout.as_dict() if comp.runs_layout else None, configs=config_deps(name, raw))
+        inputs, largest, peak, flops = tuple(_memoised(
+            cache_dir, key, "estimate",
+            lambda: list(estimate_graph(name, configs, tp, spec.dtype_of(name), sized, spec.layout))))
         cached = _is_cached(cache_dir, keys.get(gname))
         secs = [r["compile_seconds"] for r in records.get(name, [])]
         sizes = [r["bytes"] for r in records.get(name, [])]
@@ -356,13 +361,6 @@ def memo_name(kind: str, code: str, **inputs) -> str:
     which names every field) by qic's graph-shaping code of digest `code` (_memoised adds the planner's)."""
     blob = json.dumps({"inputs": inputs, "code": code}, sort_keys=True)
     return f"{kind}-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def _estimate_cached(cache_dir: Path | None, skey: str | None, compute) -> tuple[int, int, int, int]:
-    """A graph's estimate is a function of what its spec key covers (configs, shape, dtype, TP, qic's model
-    code), so it is kept in the cache under that key: a no-op build prints its plan without re-running
-    the fake-tensor estimate (seconds, and an import of torch._dynamo)."""
-    return tuple(_memoised(cache_dir, skey, "estimate", lambda: list(compute())))
 
 
 def planner_digest() -> str:
