@@ -2,8 +2,8 @@
 
     CACHE/graphs/<graph key>/        compiled graph entries (qic.cache.store)
     CACHE/index/<spec key>           memo: spec key -> graph key (one line of text)
-    CACHE/plan/<spec key>.json       a graph's memory estimate (qic.builder.memplan)
-    CACHE/plan/{weights,traffic}-<key>.json   a component's weight bytes, a step's traffic (memplan.memo_name)
+    CACHE/plan/{estimate,weights,traffic}-<key>.json   a graph's memory estimate, a component's weight bytes, a
+                                     step's traffic (qic.builder.memplan.memo_name: keyed by what each reads)
     CACHE/shards/<component>-<key>/  per-rank weight shards (qic.builder.shard)
     CACHE/neffs/<key>/               NEFFs (the neuron back end's finish step), each locked by its own
                                      .model.neff.lock inside it
