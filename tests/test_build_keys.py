@@ -104,3 +104,40 @@ def test_the_import_walk_finds_a_module_only_imported_inside_a_function(tmp_path
     finally:
         jobs.code_files.cache_clear()
     assert found == {"__init__.py", "models/__init__.py", "models/m.py", "helper.py"}
+
+
+# ---- a graph's spec key covers every config its graph maker reads ----------------------------------------
+
+@pytest.mark.parametrize("spec_dict", [
+    {"model": "embedded:tiny", "resolutions": ["48x80"], "text_buckets": [0]},
+    {"model": "embedded:shapes-edit", "resolutions": ["128x128"], "condition_sizes": ["128x128"]},
+    {"model": str(ROOT / "tests" / "fixtures" / "qwen-image-2.1-configs"), "resolutions": ["256x256"],
+     "text_buckets": [256], "condition_sizes": ["256x256"], "condition_images": 2},
+], ids=["tiny", "shapes-edit", "qwen-image-2.1-images"])
+def test_each_graph_reads_only_the_configs_that_key_it(spec_dict, tmp_path):
+    """Each graph of a build is made (on fake tensors, as `qic plan` estimates it) from the configs of its
+    component's config_deps folders alone: a config read beyond them would not be in the graph's spec key, and a
+    checkpoint differing only there would be served another checkpoint's graph (the edit denoiser's vision-token
+    slots read the vision tower's patch and merge sizes, in the text encoder's folder)."""
+    from qic import family
+    from qic.builder.jobs import graph_shapes
+    from qic.builder.memplan import estimate_graph
+    from qic.builder.source import resolve_configs
+    from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
+    from qic.spec import parse_spec
+    before = family.current()
+    spec = parse_spec({**spec_dict, "cache_dir": str(tmp_path)})
+    family.use(spec.family)
+    try:
+        configs, _ = resolve_configs(spec.model, tmp_path)
+        made = []
+        for name, shape in graph_shapes(spec):
+            deps = family.component(name).config_deps
+            own = {n: c for n, c in configs.items() if family.component(n).folder in deps}
+            if shape.get("bucket") == 0:
+                shape = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
+            estimate_graph(name, own, spec.tp, spec.dtype_of(name), shape, spec.layout)
+            made.append(name)
+    finally:
+        family.use(before)
+    assert len(set(made)) >= 3, made

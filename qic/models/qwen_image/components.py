@@ -227,11 +227,12 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in (
               text_encoder_state_dict, (f"{_HERE}.text_encoder", *_SHARED),
               _text_encoder_shapes, _text_encoder_graph, config_deps=("text_encoder",), tp_plan=_TEXT_ENCODER_TP,
               blocks="model.layers", neuron_model_type="transformer"),
-    # The denoiser step packs latents by the VAE's scale: the VAE's config keys its graphs too.
+    # The denoiser step packs latents by the VAE's scale, and an edit step's vision-token slots follow the vision
+    # tower's patch and merge sizes (the text encoder's folder): those configs key its graphs too.
     Component("denoiser", "transformer", MMDiTConfig.from_dict, _denoiser_module, mmdit_state_dict,
               (f"{_HERE}.mmdit", *_SHARED), _denoiser_shapes, _denoiser_graph,
-              config_deps=("transformer", "vae"), tp_plan=_DENOISER_TP, blocks="transformer_blocks", runs_layout=True,
-              lora_target=True, neuron_model_type="transformer"),
+              config_deps=("transformer", "vae", "text_encoder"), tp_plan=_DENOISER_TP, blocks="transformer_blocks",
+              runs_layout=True, lora_target=True, neuron_model_type="transformer"),
     # The VAE decoder runs in fp32 whatever the build's dtype (bf16 decoding visibly bands images).
     Component("vae_decoder", "vae", VAEConfig.from_dict, _vae_module, vae_decoder_state_dict,
               (f"{_HERE}.vae_decoder", "qic.models.common"), _vae_decoder_shapes, _vae_decoder_graph,
