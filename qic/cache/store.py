@@ -310,8 +310,10 @@ def prune(cache_dir: Path, max_bytes: int | None = None, older_than: float | Non
       seconds, then more until the cache holds at most `max_bytes` (embedded checkpoints are neither
       counted nor removed). An entry is removed only while holding its lock, taken without waiting: one
       a live build holds (compiling, or using it: builds hold graph entries shared) is skipped;
-    - memos (index/) naming graph entries that are gone, and the plans (plan/) of the memos removed
-      (plans without a memo when older than `older_than`); lock files of entries that are gone, unless held.
+    - memos (index/) naming graph entries that are gone, and the plans (plan/) of the memos removed (an older
+      cache's plan/<spec key>.json); the plan's figures (plan/{estimate,weights,traffic}-<key>.json, keyed by what
+      they read, with no memo) when unused for more than `older_than`; lock files of entries that are gone,
+      unless held.
     """
     cache_dir = Path(cache_dir)
     now = time.time()
