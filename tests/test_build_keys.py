@@ -121,9 +121,8 @@ def test_each_graph_reads_only_the_configs_that_key_it(spec_dict, tmp_path):
     slots read the vision tower's patch and merge sizes, in the text encoder's folder)."""
     from qic import family
     from qic.builder.jobs import graph_shapes
-    from qic.builder.memplan import estimate_graph
+    from qic.builder.memplan import estimate_graph, estimated_shape
     from qic.builder.source import resolve_configs
-    from qic.host.prompt import DROP_TOKENS, MAX_PROMPT_TOKENS
     from qic.spec import parse_spec
     before = family.current()
     spec = parse_spec({**spec_dict, "cache_dir": str(tmp_path)})
@@ -134,9 +133,7 @@ def test_each_graph_reads_only_the_configs_that_key_it(spec_dict, tmp_path):
         for name, shape in graph_shapes(spec):
             deps = family.component(name).config_deps
             own = {n: c for n, c in configs.items() if family.component(n).folder in deps}
-            if shape.get("bucket") == 0:
-                shape = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
-            estimate_graph(name, own, spec.tp, spec.dtype_of(name), shape, spec.layout)
+            estimate_graph(name, own, spec.tp, spec.dtype_of(name), estimated_shape(shape), spec.layout)
             made.append(name)
     finally:
         family.use(before)

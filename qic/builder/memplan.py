@@ -316,9 +316,7 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
     keys = {j.name: j.spec_key for j in jobs} if jobs is not None else _spec_keys(spec, configs, raw)
     for name, shape in graph_shapes(spec):
         tp = tp_of(name, spec.tp)
-        sized = shape
-        if shape.get("bucket") == 0:  # exact-length text: sized at the longest prompt it accepts
-            sized = {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS}
+        sized = estimated_shape(shape)
         gname = name_of(name, shape)
         comp = family.component(name)
         # Keyed by what the estimate reads, not by the graph's spec key: the same graph built by another back
@@ -354,6 +352,11 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
             plan.traffic.append(((h, w), bucket, _memoised(
                 cache_dir, key, "traffic", lambda shape=shape: step_traffic(configs, spec.layout, dtype, shape))))
     return plan
+
+
+def estimated_shape(shape: dict) -> dict:
+    """The shape a graph is estimated at: exact-length text (bucket 0) at the longest prompt it accepts."""
+    return {**shape, "bucket": DROP_TOKENS + MAX_PROMPT_TOKENS} if shape.get("bucket") == 0 else shape
 
 
 def memo_name(kind: str, code: str, **inputs) -> str:
