@@ -45,6 +45,20 @@ def test_bundle_layout_and_inspect(bundle):
     assert "all hashes match" in out and f"denoiser@{res}@L{BUCKETS[0]}" in out
 
 
+def test_packages_are_compiled_without_the_per_input_checks(bundle):
+    """Each package's host wrapper (its source is in the .pt2) has the stub of qic.backends.inductor.build
+    instead of AOTInductor's one check function per input (never run by default; most of the wrapper's compile).
+    The bundle is the session's, which test_run and test_serve run: the stub compiles and the graphs run."""
+    import zipfile
+
+    for g in read_manifest(bundle)["graphs"]:
+        with zipfile.ZipFile(bundle / "graphs" / g["name"] / "graph.pt2") as z:
+            [wrapper] = [n for n in z.namelist() if n.endswith(".wrapper.cpp")]
+            text = z.read(wrapper).decode()
+        assert "__check_inputs_outputs(AtenTensorHandle*, AtenTensorHandle*) {}" in text, g["name"]
+        assert "check_input_0" not in text, g["name"]
+
+
 def test_inspect_prints_a_layouts_rank_mapping_and_groups(bundle, tmp_path):
     """`qic inspect`'s layout line, on a FAKE manifest: the session bundle's with layout Ulysses 2 x CFG-parallel 2
     (re-hashed; inspect reads the manifest only, so no graph needs building). The groups are written out here
