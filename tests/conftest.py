@@ -12,11 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-# AOTInductor's C++ wrapper at -O0 in the suite (torch's own switch, read when torch._inductor.config is first
-# imported, so before torch; inherited by every qic the tests start). The wrapper only sequences kernel calls and
-# buffers, the kernels stay at inductor's -O3, so the graphs compute the same numbers; it compiles in 3.8-4.7 s a
-# tiny graph instead of 4.5-8 s at the default -O1 (docs/benchmarks.md, "The suite"). Users' builds keep -O1.
-os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 # OpenMP threads that wait sleep instead of spinning (libgomp reads it when torch loads it; every process the tests
 # start inherits it). The suite runs two workers on two cores, each process with two threads: a spinning thread
 # takes the core its own team's other thread, or the other worker, needs. Two `qic run`s of 8 images side by side
