@@ -18,6 +18,9 @@ from pathlib import Path
 # took 16.1-17.2 s spinning and 7.3-7.7 s passive (1.0 s more alone; docs/benchmarks.md, "The suite"). The thread
 # count, so every number computed, is unchanged.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Each build compiles its graphs one after another (qic.builder.workers): the suite's two workers already keep both
+# cores busy, and a build's compile workers would each import torch again. tests/test_build.py builds with --jobs 2.
+os.environ.setdefault("QIC_COMPILE_JOBS", "1")
 # Ranks the tests spawn from their own processes (which have computed, so cannot fork them) are forks of one fork
 # server that imported torch once, not fresh interpreters that each import it again (qic.parallel.ranks.spawn;
 # `qic run` / `qic serve` fork their own ranks whatever this says).

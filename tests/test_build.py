@@ -370,6 +370,34 @@ def test_text_bucket_too_small_for_the_template(tmp_path, tiny_ckpt):
     _fails(tmp_path, "--model", tiny_ckpt, "--text-buckets", "40,", expect="too small for the prompt template")
 
 
+def test_jobs_below_one_refused(tmp_path, tiny_ckpt):
+    _fails(tmp_path, "--model", tiny_ckpt, "--jobs", "0", expect="--jobs 0: must be at least 1")
+
+
+@pytest.mark.slow
+def test_graphs_compiled_by_workers_draw_the_serial_builds_image(bundle, tiny_ckpt, tmp_path):
+    """`qic build --jobs 2` into a cache of its own: each graph traced in the build's process and compiled by one of
+    two spawned workers (the closing line says so) from its saved program; the bundle draws the session bundle's
+    image (every graph compiled in the build's process: the suite's QIC_COMPILE_JOBS=1) pixel for pixel."""
+    from PIL import Image
+
+    from tests.conftest import SHORT_PROMPT, image_diff
+    out = qic("build", "--model", tiny_ckpt, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets",
+              f"{BUCKETS[0]},", "--output", tmp_path / "b", "--cache-dir", tmp_path / "c", "--jobs", "2").stdout
+    assert "(2 compile workers)" in out, out
+    assert [item for item, how in _rows(out).items() if "@" in item and how == "built"] == [
+        f"text_encoder@L{BUCKETS[0]}", "denoiser@{}x{}@L{}".format(*TINY_RES, BUCKETS[0]),
+        "vae_decoder@{}x{}".format(*TINY_RES)], out
+    pngs = []
+    for b in (tmp_path / "b", bundle):
+        pngs.append(tmp_path / f"{b.name}.png")
+        qic("run", b, "--prompt", SHORT_PROMPT, "--steps", "2", "--seed", "5", "--output", pngs[-1])
+    assert image_diff(*(Image.open(p).convert("RGB") for p in pngs)) == (0.0, 0.0)
+    assert "compile workers" not in qic("build", "--model", tiny_ckpt, "--resolution", "{}x{}".format(*TINY_RES),
+                                        "--text-buckets", f"{BUCKETS[0]},", "--output", tmp_path / "b",
+                                        "--cache-dir", tmp_path / "c", "--jobs", "2").stdout   # all cached
+
+
 def test_unknown_backend(tmp_path, tiny_ckpt):
     _fails(tmp_path, "--model", tiny_ckpt, "--backend", "tensorrt", expect="backend 'tensorrt'")
 

@@ -13,6 +13,7 @@ module ever names one:
 The build half, in the order the stages call it for each graph and then once per build:
   trace(gdef, tensors) -> Traced        the graph in the form the compiler takes, and what names it
   compile(traced, out_dir) -> Compiled  the artifact files (weights are trailing inputs, never inside)
+  compile_task(traced, out_dir, scratch) the same compile as a call another process can make, or None
   finish(artifacts, cache_dir, progress) -> Finished   a build-wide step after every graph (NEFFs)
   graph_fields / bundle_fields          what the bundle's manifest records for it
 """
@@ -74,6 +75,12 @@ class Backend(ABC):
     @abstractmethod
     def compile(self, traced: Traced, out_dir: Path) -> CompiledGraph:
         """Compile a traced graph into out_dir, leaving its weights out of the artifact."""
+
+    def compile_task(self, traced: Traced, out_dir: Path, scratch: Path):
+        """compile(traced, out_dir) as (function, args) that a spawned process can call (a build's compile workers,
+        qic.builder.workers), with what it reads written under `scratch`; None (the default): this graph compiles
+        in the build's process."""
+        return None
 
     def finish(self, artifacts: list, cache_dir: Path, progress=None) -> Finished:
         """A step over every compiled graph of a build; none by default."""

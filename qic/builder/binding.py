@@ -101,12 +101,13 @@ def fake_world_for(layout):
             _FAKE.clear()
 
 
-def compile_job(job, ctx: Context, backend, weights_path: Path | None = None, remote=None, sign=None):
+def compile_job(job, ctx: Context, backend, weights_path: Path | None = None, remote=None, sign=None, workers=None):
     """Compile (or find) one job's graph, its weights bound from a shard file, or stood in by shapes
-    when `weights_path` is None (graphs take weights as inputs, so their values never matter)."""
+    when `weights_path` is None (graphs take weights as inputs, so their values never matter); `workers`:
+    compile_graph's."""
     names = weight_names(ctx, job.component, weights_path)
     art = compile_graph(lambda: job.maker(bound_module(ctx, job.component, weights_path)),
-                        backend, names, ctx.cache, job.spec_key, remote=remote, sign=sign)
+                        backend, names, ctx.cache, job.spec_key, remote=remote, sign=sign, workers=workers)
     # Named as this job: two graph names can share one entry when their graphs are identical (a one-row
     # middle graph is the same at every batch size), and the entry remembers only the first name it had.
     return dataclasses.replace(art, meta={**art.meta, "graph": job.name})

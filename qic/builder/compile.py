@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from qic.backends.base import Backend
 from qic.builder.graphs import GraphDef
+from qic.builder.workers import TORCH_LOCK
 from qic.cache import layout, store
 from qic.fsutil import staging_dir
 from qic.manifest import sha256_file
@@ -49,12 +50,14 @@ class GraphArtifact:
 
 
 def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, weight_names: set[str],
-                  cache_dir: Path, skey: str, remote=None, sign=None) -> GraphArtifact:
+                  cache_dir: Path, skey: str, remote=None, sign=None, workers=None) -> GraphArtifact:
     """The artifact for a graph: by spec key from the memo, by graph key from the cache, from the remote
-    store (`remote`, a qic.cache.remote store), or compiled; `sign` (a private key) signs what it compiles.
+    store (`remote`, a qic.cache.remote store), or compiled; `sign` (a private key) signs what it compiles;
+    `workers` (qic.builder.workers.CompileWorkers) compiles it, in another process where the back end can.
 
     `gdef` may be a zero-argument callable, called only on a memo miss: building a GraphDef binds
-    (memory-maps) weights, which a no-op build should not do.
+    (memory-maps) weights, which a no-op build should not do. Safe to call from several threads at once (the
+    compile workers' build does): what runs torch here holds TORCH_LOCK.
     """
     cache_dir = Path(cache_dir)
     identity = backend.identity()
@@ -73,14 +76,15 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
             return GraphArtifact(gkey, layout.graph_dir(cache_dir, gkey), hit, True, time.perf_counter() - t0,
                                  users)
         users.release()
-    if callable(gdef):
-        gdef = gdef()
-    gdef.module.eval()
-    tensors = named_tensors(gdef.module)
-    traced = backend.trace(gdef, tensors)
-    owned = _owned(gdef, tensors, weight_names)
-    owned.update(traced.constants)
-    gkey = graph_key_from(traced.digest, gdef, owned, identity)
+    with TORCH_LOCK:
+        if callable(gdef):
+            gdef = gdef()
+        gdef.module.eval()
+        tensors = named_tensors(gdef.module)
+        traced = backend.trace(gdef, tensors)
+        owned = _owned(gdef, tensors, weight_names)
+        owned.update(traced.constants)
+        gkey = graph_key_from(traced.digest, gdef, owned, identity)
     final = layout.graph_dir(cache_dir, gkey)
     users = layout.graph_users(cache_dir, gkey)   # as on a memo hit, taken before the entry can exist
     users.acquire()
@@ -89,7 +93,11 @@ def compile_graph(gdef: GraphDef | Callable[[], GraphDef], backend: Backend, wei
         cached = meta is not None
         if meta is None:
             with staging_dir(final) as tmp:
-                compiled = backend.compile(traced, tmp)
+                if workers is not None:
+                    compiled = workers.compile(backend, traced, tmp)
+                else:
+                    with TORCH_LOCK:
+                        compiled = backend.compile(traced, tmp)
                 meta = _seal(tmp, gdef, compiled, traced.weight_names, owned, identity, gkey, t0, sign)
     layout.write_memo(cache_dir, skey, gkey)
     return GraphArtifact(gkey, final, meta, cached, time.perf_counter() - t0, users)

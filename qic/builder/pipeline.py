@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from qic.builder.context import Context, looped, tp_of, validate
 from qic.builder.jobs import plan_jobs
 from qic.builder.memplan import plan_memory
 from qic.builder.shard import shard_component
+from qic.builder.workers import CompileWorkers, default_jobs
 from qic.cache import layout
 from qic.cache.remote import open_remote
 from qic.fsutil import sweep_stale
@@ -42,14 +45,16 @@ class BuildReport:
     up_to_date: bool = False
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)   # one line each, printed after the table
+    compile_workers: int = 0   # worker processes that compiled graphs (qic.builder.workers); 0: none did
 
     @property
     def hits(self) -> int:
         return sum(r.cached for r in self.rows)
 
 
-def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
-    """on_plan(MemoryPlan), if given, is called once the spec is validated, before any work (qic.builder.memplan)."""
+def build(spec: BuildSpec, progress=None, on_plan=None, compile_jobs: int | None = None) -> BuildReport:
+    """on_plan(MemoryPlan), if given, is called once the spec is validated, before any work (qic.builder.memplan);
+    `compile_jobs`: graphs compiled side by side (qic.builder.workers; None: its default_jobs)."""
     t0 = time.perf_counter()
     backend = backend_for(spec)
     ctx = Context(spec, progress)
@@ -77,13 +82,10 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
 
     # Stage 2: one graph per bucket / resolution, through the compile cache.
-    artifacts = []
     remote = open_remote(spec.cache_from, spec.cache_public_keys, spec.cache_trusted)
-    for job in jobs:
-        if progress:
-            progress("compile", job.name, None)
-        art = compile_job(job, ctx, backend, weights_path=shards[job.component].files[0], remote=remote)
-        artifacts.append(art)
+    workers = default_jobs() if compile_jobs is None else compile_jobs
+    artifacts, report.compile_workers = _compile_all(jobs, ctx, backend, shards, remote, progress, workers)
+    for art in artifacts:
         report.rows.append(Row("compile", art.meta["graph"], art.cached,
                                sum(f["bytes"] for f in art.meta["files"].values()), art.seconds))
 
@@ -101,6 +103,30 @@ def build(spec: BuildSpec, progress=None, on_plan=None) -> BuildReport:
     report.rows.append(Row("bundle", str(ctx.output), not written, _tree_bytes(ctx.output), time.perf_counter() - t))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _compile_all(jobs, ctx, backend, shards, remote, progress, workers: int) -> tuple[list, int]:
+    """Every job's artifact, in the jobs' order: one after another, or `workers` at a time in compile workers;
+    and how many worker processes compiled (0: none, every graph cached or compiled here)."""
+    said = threading.Lock()   # the progress display is told from one thread at a time
+
+    def one(job, pool=None):
+        if progress:
+            with said:
+                progress("compile", job.name, None)
+        return compile_job(job, ctx, backend, weights_path=shards[job.component].files[0], remote=remote,
+                           workers=pool)
+
+    if workers <= 1 or len(jobs) <= 1:
+        return [one(job) for job in jobs], 0
+    with CompileWorkers(workers) as pool, ThreadPoolExecutor(workers) as threads:
+        futures = [threads.submit(one, job, pool) for job in jobs]
+        try:
+            return [f.result() for f in futures], pool.started
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def _build_key(spec, digest, tokenizer, shards, artifacts) -> str:

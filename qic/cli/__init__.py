@@ -160,11 +160,14 @@ def _load_options(fn):
 @main.command("build")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @_build_options
+@click.option("--jobs", type=int, default=None,
+              help="Compile up to K graphs side by side in worker processes (default: one per core, as free "
+                   "memory allows; $QIC_COMPILE_JOBS).")
 @_friendly
-def build_command(config, resolutions, **flags):
+def build_command(config, resolutions, jobs, **flags):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default: the trained embedded:shapes)."""
     from qic.cli.build import run_build
-    run_build(config, _overrides(resolutions, **flags))
+    run_build(config, _overrides(resolutions, **flags), jobs)
 
 
 @main.command("plan")

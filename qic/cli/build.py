@@ -8,12 +8,15 @@ from rich.table import Table
 
 from qic.cli.plan import model_name, print_plan
 from qic.cli.tables import size, wide_console
+from qic.errors import ConfigError
 
 
-def run_build(config, overrides) -> None:
+def run_build(config, overrides, jobs: int | None = None) -> None:
     from qic.builder.pipeline import build
     from qic.builder.source import load_spec_by_family
 
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: must be at least 1")
     spec = load_spec_by_family(config, overrides)
     console = wide_console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -29,7 +32,7 @@ def run_build(config, overrides) -> None:
             elif nbytes:
                 bar.advance(tasks[key], nbytes)
 
-        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec))
+        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec), compile_jobs=jobs)
     table = Table(title=f"qic build -> {report.output}", show_lines=False)
     for col in ("stage", "item", "result", "size", "time"):
         table.add_column(col, justify="right" if col in ("size", "time") else "left")
@@ -38,8 +41,10 @@ def run_build(config, overrides) -> None:
     out = Console()
     out.print(table)
     total = len(report.rows)
+    workers = f" ({report.compile_workers} compile workers)" if report.compile_workers else ""
     out.print(f"{report.hits}/{total} from cache ({100 * report.hits // max(total, 1)}% hits), "
-              f"{report.seconds:.1f}s; bundle {'unchanged' if report.up_to_date else 'written'}: {report.output}")
+              f"{report.seconds:.1f}s{workers}; bundle {'unchanged' if report.up_to_date else 'written'}: "
+              f"{report.output}")
     for line in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
 

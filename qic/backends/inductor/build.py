@@ -191,6 +191,32 @@ class InductorBackend(Backend):
                                                                           collectives=has_collectives(program)))
         return CompiledGraph(file=path.name)
 
+    def compile_task(self, traced: Traced, out_dir: Path, scratch: Path):
+        """The program saved as the export back end saves it (its unread module state dropped), for a worker to
+        load and compile. A graph with collectives is compiled here, where its fake process group was made."""
+        program = traced.payload
+        if has_collectives(program):
+            return None
+        from qic.backends.export.build import saveable
+        path = scratch / "program.pt2"
+        torch.export.save(saveable(program), str(path))
+        return compile_saved, (self.device, self.cpu_target, str(path), str(out_dir))
+
+
+def compile_saved(device: str, cpu_target: str, program_file: str, out_dir: str) -> CompiledGraph:
+    """A compile worker's call (InductorBackend.compile_task): the saved program compiled as compile() would.
+    AOTInductor reads the program's example inputs, which a saved program lacks: stand-ins of each input's shape,
+    strides and dtype, allocated and never written (compiling reads their metadata only), as the build's own
+    memory-mapped weights are never read."""
+    from torch.export.graph_signature import InputKind
+    program = torch.export.load(program_file)
+    placeholders = {n.name: n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"}
+    leaves = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+              for v in (placeholders[s.arg.name] for s in program.graph_signature.input_specs
+                        if s.kind == InputKind.USER_INPUT)]
+    program.example_inputs = torch.utils._pytree.tree_unflatten(leaves, program.call_spec.in_spec)
+    return InductorBackend(device, cpu_target).compile(Traced(None, [], program), Path(out_dir))
+
 
 def export_graph(gdef, tensors: dict) -> Traced:
     """torch.export of the module with its weights as trailing inputs; the exported graph's text and signature
