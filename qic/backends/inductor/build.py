@@ -197,7 +197,6 @@ class InductorBackend(Backend):
         program = traced.payload
         if has_collectives(program):
             return None
-        from qic.backends.export.build import saveable
         path = scratch / "program.pt2"
         torch.export.save(saveable(program), str(path))
         return compile_saved, (self.device, self.cpu_target, str(path), str(out_dir))
@@ -235,6 +234,31 @@ def export_graph(gdef, tensors: dict) -> Traced:
     h.update(graph_text(program).encode())
     h.update(str(program.graph_signature).encode())
     return Traced(h, names, program)
+
+
+def saveable(program):
+    """The program as torch.export.save should write it: without the module state it lists but never reads (export
+    lifts every parameter and buffer of the module it is given, also those the weights, its inputs, replace, and
+    save would write a copy of the checkpoint into every graph), and with each constant in a storage of its own
+    (RoPE's text and image tables are two views of one; save writes a storage once, from one tensor that must
+    cover the others, and warns when none does). The program is changed in place: it is compiled once."""
+    from torch.export.graph_signature import ExportGraphSignature, InputKind
+    graph = program.graph_module.graph
+    unread = {n.name for n in graph.nodes if n.op == "placeholder" and not n.users}
+    dropped = [s for s in program.graph_signature.input_specs
+               if s.kind in (InputKind.PARAMETER, InputKind.BUFFER) and s.arg.name in unread]
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in {s.arg.name for s in dropped}]:
+        graph.erase_node(node)
+    program.graph_module.recompile()
+    targets = {s.target for s in dropped}
+    signature = ExportGraphSignature([s for s in program.graph_signature.input_specs if s not in dropped],
+                                     program.graph_signature.output_specs)
+    constants = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in program.constants.items()}
+    return torch.export.ExportedProgram(
+        root=program.graph_module, graph=graph, graph_signature=signature,
+        state_dict={k: v for k, v in program.state_dict.items() if k not in targets},
+        range_constraints=program.range_constraints, module_call_graph=program.module_call_graph,
+        constants=constants, verifiers=program.verifiers)
 
 
 def baked_tensors(program) -> list[str]:
