@@ -323,3 +323,20 @@ def test_a_first_build_makes_its_cache_for_the_plan_memos(tiny_ckpt, tmp_path):
     with pytest.raises(Stop):
         build(spec, on_plan=stop)
     assert len(list((cache / "plan").glob("traffic-*.json"))) == 1 and len(list((cache / "plan").glob("*"))) > 1
+
+
+def test_compile_estimate_on_workers_spreads_the_uncached_graphs():
+    """The plan's estimate on compile workers: each uncached graph, the longest first, to the worker free soonest;
+    a cached graph (0 s) is none's. A TP or parallel-layout build, whose graphs hold collectives and compile in the
+    build process, and a back end without workers are planned as one worker."""
+    from qic.builder.memplan import GraphPlan, MemoryPlan
+    from qic.builder.workers import plan_workers
+    from qic.spec import load_spec
+
+    plan = MemoryPlan(1, graphs=[GraphPlan(f"g{i}", "denoiser", 0, 0, 0, 0, 0, s, s == 0, 0)
+                                 for i, s in enumerate((20.0, 30.0, 0.0, 10.0, 20.0))])
+    assert plan.compile_seconds == 80.0 and plan.compile_wall(1) == 80.0
+    assert plan.compile_wall(2) == 40.0 and plan.compile_wall(4) == 30.0
+    assert plan_workers(load_spec(None, {}), 3) == 3
+    assert plan_workers(load_spec(None, {"tp": 2}), 3) == 1
+    assert plan_workers(load_spec(None, {"backend": "export"}), 3) == 1

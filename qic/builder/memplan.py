@@ -108,6 +108,15 @@ class MemoryPlan:
     def compile_seconds(self) -> float:
         return sum(g.compile_seconds for g in self.graphs)
 
+    def compile_wall(self, workers: int) -> float:
+        """About how long the uncached graphs take on `workers` compile workers (qic.builder.workers): each graph,
+        the longest first, to the worker free soonest. The build takes them in its jobs' order instead; with
+        graphs of similar times the two are close."""
+        ends = [0.0] * max(1, workers)
+        for seconds in sorted((g.compile_seconds for g in self.graphs if g.compile_seconds), reverse=True):
+            ends[ends.index(min(ends))] += seconds
+        return max(ends)
+
     @property
     def run_peak_per_rank(self) -> int:
         """`qic run` keeps every component resident: all weights of a rank, the host program's resident state, plus

@@ -37,6 +37,16 @@ def default_jobs() -> int:
     return max(1, min(cores, _available_memory() // WORKER_MEMORY))
 
 
+def plan_workers(spec, jobs: int | None = None) -> int:
+    """The compile workers a build of `spec` would compile its graphs on, for the plan's estimate (`jobs`: --jobs):
+    its back end's graphs compile in workers where they hold no collectives, so a TP or parallel-layout build is
+    planned as one at a time."""
+    from qic import backends
+    if not getattr(backends.info(spec.backend), "COMPILES_IN_WORKERS", False) or spec.tp > 1 or not spec.layout.plain:
+        return 1
+    return default_jobs() if jobs is None else jobs
+
+
 def _available_memory() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -32,7 +32,7 @@ def run_build(config, overrides, jobs: int | None = None) -> None:
             elif nbytes:
                 bar.advance(tasks[key], nbytes)
 
-        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec), compile_jobs=jobs)
+        report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec, jobs), compile_jobs=jobs)
     table = Table(title=f"qic build -> {report.output}", show_lines=False)
     for col in ("stage", "item", "result", "size", "time"):
         table.add_column(col, justify="right" if col in ("size", "time") else "left")
@@ -49,8 +49,9 @@ def run_build(config, overrides, jobs: int | None = None) -> None:
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
 
 
-def _print_plan(plan, spec) -> None:
+def _print_plan(plan, spec, jobs: int | None) -> None:
     """The memory plan on stdout, before any work (stderr stays for progress and errors; rich's live
     progress display prints stdout above itself)."""
-    print_plan(plan, model_name(spec.model), wide_console())
+    from qic.builder.workers import plan_workers
+    print_plan(plan, model_name(spec.model), wide_console(), plan_workers(spec, jobs))
 

@@ -15,6 +15,7 @@ def run_plan(config, overrides) -> None:
     from qic import family
     from qic.builder.memplan import plan_memory
     from qic.builder.source import load_spec_by_family, resolve_configs
+    from qic.builder.workers import plan_workers
 
     if config and Path(config).is_dir():
         if overrides.get("model"):
@@ -25,10 +26,12 @@ def run_plan(config, overrides) -> None:
     spec = load_spec_by_family(config, overrides)
     family.use(spec.family)
     configs, raw = resolve_configs(spec.model, Path(spec.cache_dir))
-    print_plan(plan_memory(spec, configs, raw, Path(spec.cache_dir)), model_name(spec.model), wide_console())
+    print_plan(plan_memory(spec, configs, raw, Path(spec.cache_dir)), model_name(spec.model), wide_console(),
+               plan_workers(spec))
 
 
-def print_plan(plan, model: str, console: Console) -> None:
+def print_plan(plan, model: str, console: Console, workers: int = 1) -> None:
+    """The plan's tables and closing line; `workers`: the compile workers the build would use (its estimate)."""
     layout = f", {plan.layout.describe()}" if plan.layout is not None and not plan.layout.plain else ""
     comps = Table(title=f"qic plan: {model}, tp={plan.tp}{layout}")
     for col in ("component", "dtype", "ranks", "weights/rank", "x TP 1", "shards on disk"):
@@ -60,7 +63,9 @@ def print_plan(plan, model: str, console: Console) -> None:
                   "graph); "
                   f"disk: {size(plan.shard_disk)} shards + {size(plan.artifact_disk)} compiled graphs in the cache, "
                   f"the bundle hard-links the shards and copies the graphs; {len(plan.graphs)} graphs, "
-                  f"compile about {plan.compile_seconds / 60:.1f} min ({plan.compile_source})")
+                  f"compile about {plan.compile_seconds / 60:.1f} min ({plan.compile_source})"
+                  + (f", about {plan.compile_wall(workers) / 60:.1f} min on {workers} compile workers"
+                     if workers > 1 and plan.compile_wall(workers) < plan.compile_seconds else ""))
 
 
 def model_name(model: str | None) -> str:
