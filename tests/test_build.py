@@ -375,27 +375,29 @@ def test_jobs_below_one_refused(tmp_path, tiny_ckpt):
 
 
 @pytest.mark.slow
-def test_graphs_compiled_by_workers_draw_the_serial_builds_image(bundle, tiny_ckpt, tmp_path):
+def test_graphs_compiled_by_workers_draw_the_serial_builds_image(bundle, bundle_exact, tiny_ckpt, tmp_path):
     """`qic build --jobs 2` into a cache of its own: each graph traced in the build's process and compiled by one of
-    two spawned workers (the closing line says so) from its saved program; the bundle draws the session bundle's
-    image (every graph compiled in the build's process: the suite's QIC_COMPILE_JOBS=1) pixel for pixel."""
+    two spawned workers (the closing line says so) from its saved program; the bundles draw the session bundles'
+    images (every graph compiled in the build's process: the suite's QIC_COMPILE_JOBS=1) pixel for pixel: one
+    text bucket, then exact-length text (a dynamic text dimension, which a saved program reads back symbolic)."""
     from PIL import Image
 
     from tests.conftest import SHORT_PROMPT, image_diff
-    out = qic("build", "--model", tiny_ckpt, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets",
-              f"{BUCKETS[0]},", "--output", tmp_path / "b", "--cache-dir", tmp_path / "c", "--jobs", "2").stdout
-    assert "(2 compile workers)" in out, out
-    assert [item for item, how in _rows(out).items() if "@" in item and how == "built"] == [
-        f"text_encoder@L{BUCKETS[0]}", "denoiser@{}x{}@L{}".format(*TINY_RES, BUCKETS[0]),
-        "vae_decoder@{}x{}".format(*TINY_RES)], out
-    pngs = []
-    for b in (tmp_path / "b", bundle):
-        pngs.append(tmp_path / f"{b.name}.png")
-        qic("run", b, "--prompt", SHORT_PROMPT, "--steps", "2", "--seed", "5", "--output", pngs[-1])
-    assert image_diff(*(Image.open(p).convert("RGB") for p in pngs)) == (0.0, 0.0)
-    assert "compile workers" not in qic("build", "--model", tiny_ckpt, "--resolution", "{}x{}".format(*TINY_RES),
-                                        "--text-buckets", f"{BUCKETS[0]},", "--output", tmp_path / "b",
-                                        "--cache-dir", tmp_path / "c", "--jobs", "2").stdout   # all cached
+    res = "{}x{}".format(*TINY_RES)
+    for buckets, serial, built in ((f"{BUCKETS[0]},", bundle, [f"text_encoder@L{BUCKETS[0]}",
+                                                               f"denoiser@{res}@L{BUCKETS[0]}", f"vae_decoder@{res}"]),
+                                   ("0", bundle_exact, ["text_encoder@Lexact", f"denoiser@{res}@Lexact"])):
+        args = ("build", "--model", tiny_ckpt, "--resolution", res, "--text-buckets", buckets, "--output",
+                tmp_path / buckets, "--cache-dir", tmp_path / "c", "--jobs", "2")
+        out = qic(*args).stdout
+        assert "(2 compile workers)" in out, out
+        assert [item for item, how in _rows(out).items() if "@" in item and how == "built"] == built, out
+        pngs = []
+        for b in (tmp_path / buckets, serial):
+            pngs.append(tmp_path / f"{b.name}.png")
+            qic("run", b, "--prompt", SHORT_PROMPT, "--steps", "2", "--seed", "5", "--output", pngs[-1])
+        assert image_diff(*(Image.open(p).convert("RGB") for p in pngs)) == (0.0, 0.0)
+        assert "compile workers" not in qic(*args).stdout   # all cached: no worker started
 
 
 def test_unknown_backend(tmp_path, tiny_ckpt):

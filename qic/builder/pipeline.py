@@ -4,6 +4,7 @@ plans), the back end's finish step (e.g. NEFFs), then the bundle (stage 3, qic.b
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import threading
@@ -22,7 +23,7 @@ from qic.builder.context import Context, looped, tp_of, validate
 from qic.builder.jobs import plan_jobs
 from qic.builder.memplan import plan_memory
 from qic.builder.shard import shard_component
-from qic.builder.workers import CompileWorkers, default_jobs
+from qic.builder.workers import CompileWorkers, plan_workers
 from qic.cache import layout
 from qic.cache.remote import open_remote
 from qic.fsutil import sweep_stale
@@ -54,7 +55,7 @@ class BuildReport:
 
 def build(spec: BuildSpec, progress=None, on_plan=None, compile_jobs: int | None = None) -> BuildReport:
     """on_plan(MemoryPlan), if given, is called once the spec is validated, before any work (qic.builder.memplan);
-    `compile_jobs`: graphs compiled side by side (qic.builder.workers; None: its default_jobs)."""
+    `compile_jobs`: --jobs, graphs compiled side by side (qic.builder.workers.plan_workers decides)."""
     t0 = time.perf_counter()
     backend = backend_for(spec)
     ctx = Context(spec, progress)
@@ -83,7 +84,7 @@ def build(spec: BuildSpec, progress=None, on_plan=None, compile_jobs: int | None
 
     # Stage 2: one graph per bucket / resolution, through the compile cache.
     remote = open_remote(spec.cache_from, spec.cache_public_keys, spec.cache_trusted)
-    workers = default_jobs() if compile_jobs is None else compile_jobs
+    workers = plan_workers(spec, compile_jobs)
     artifacts, report.compile_workers = _compile_all(jobs, ctx, backend, shards, remote, progress, workers)
     for art in artifacts:
         report.rows.append(Row("compile", art.meta["graph"], art.cached,
@@ -119,14 +120,16 @@ def _compile_all(jobs, ctx, backend, shards, remote, progress, workers: int) -> 
 
     if workers <= 1 or len(jobs) <= 1:
         return [one(job) for job in jobs], 0
-    with CompileWorkers(workers) as pool, ThreadPoolExecutor(workers) as threads:
+    with ThreadPoolExecutor(workers) as threads, CompileWorkers(workers) as pool:
         futures = [threads.submit(one, job, pool) for job in jobs]
         try:
+            # The first failure is raised as it happens, not after the jobs before it; leaving the block then stops
+            # the workers (CompileWorkers.__exit__), so the threads still waiting on them end at once.
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
             return [f.result() for f in futures], pool.started
-        except BaseException:
+        finally:
             for f in futures:
                 f.cancel()
-            raise
 
 
 def _build_key(spec, digest, tokenizer, shards, artifacts) -> str:

@@ -17,6 +17,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from qic.errors import ConfigError
+
 # Everything in the build process that runs torch (binding, tracing, an in-process compile) holds this lock: the
 # stage runs one thread per worker, and torch.export and inductor keep global state.
 TORCH_LOCK = threading.RLock()
@@ -32,7 +34,10 @@ def default_jobs() -> int:
     """Compile workers when --jobs is not given: $QIC_COMPILE_JOBS, else one per core this process may use,
     as many as the free memory holds (WORKER_MEMORY each)."""
     if os.environ.get(JOBS_ENV):
-        return int(os.environ[JOBS_ENV])
+        value = os.environ[JOBS_ENV]
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{JOBS_ENV}={value}: must be a whole number of at least 1")
+        return int(value)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, _available_memory() // WORKER_MEMORY))
 
@@ -58,7 +63,7 @@ def _available_memory() -> int:
 
 
 def _start_worker() -> None:
-    """A worker imports the compiler while the build process traces the first graphs."""
+    """A worker imports the compiler as it starts, while the build process traces the next graphs."""
     import torch._inductor.compile_fx  # noqa: F401
 
 
@@ -90,13 +95,21 @@ class CompileWorkers:
 
     @property
     def started(self) -> int:
-        """Worker processes started (0 until a graph was handed to them)."""
-        return 0 if self._pool is None else self.jobs
+        """Worker processes started (0 until a graph was handed to them; one more is spawned per graph submitted
+        while all are busy, up to `jobs`)."""
+        return 0 if self._pool is None else len(self._pool._processes or {})   # private: no public count
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            interrupted = exc_type is not None and not issubclass(exc_type, Exception)
+            if interrupted:
+                # Ctrl-C: the compiles still running are stopped, not waited for (their staging directories are
+                # removed as their threads see the broken pool). A failed graph lets the others finish theirs
+                # (cached for the next build) and starts none.
+                for process in list((self._pool._processes or {}).values()):
+                    process.terminate()
+            self._pool.shutdown(wait=not interrupted, cancel_futures=True)
         self._scratch.cleanup()

@@ -174,7 +174,10 @@ class InductorBackend(Backend):
     def compile(self, traced: Traced, out_dir: Path) -> CompiledGraph:
         from torch._inductor import aoti_compile_and_package
 
-        program = traced.payload
+        # The program as a compile worker gets it (compile_task): saved without its unread module state, which
+        # also leaves out the example inputs AOTInductor reads (the weights: save would write them too).
+        program = saveable(traced.payload)
+        program.example_inputs = traced.payload.example_inputs
         baked = baked_tensors(program)
         if baked:  # a weight-dependent constant would silently pin one checkpoint's values
             raise RuntimeError(f"the exported graph holds tensors of its own {baked[:3]}; every tensor must be an "
@@ -193,29 +196,34 @@ class InductorBackend(Backend):
         return CompiledGraph(file=path.name)
 
     def compile_task(self, traced: Traced, out_dir: Path, scratch: Path):
-        """The program saved as the export back end saves it (its unread module state dropped), for a worker to
-        load and compile. A graph with collectives is compiled here, where its fake process group was made."""
+        """The program saved as the export back end saves it (compile() drops the same unread module state), for a
+        worker to load and compile, with the shapes, strides, dtypes and devices of its example inputs (a saved
+        program keeps none, and a dynamic text dimension reads back symbolic). A graph with collectives is compiled
+        here, where its fake process group was made."""
         program = traced.payload
         if has_collectives(program):
             return None
+        examples = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), str(t.device))
+                    for t in torch.utils._pytree.tree_leaves(program.example_inputs)]
         path = scratch / "program.pt2"
         torch.export.save(saveable(program), str(path))
-        return compile_saved, (self.device, self.cpu_target, str(path), str(out_dir))
+        return compile_saved, (self.device, self.cpu_target, str(path), examples, str(out_dir))
 
 
-def compile_saved(device: str, cpu_target: str, program_file: str, out_dir: str) -> CompiledGraph:
-    """A compile worker's call (InductorBackend.compile_task): the saved program compiled as compile() would.
-    AOTInductor reads the program's example inputs, which a saved program lacks: stand-ins of each input's shape,
-    strides and dtype, allocated and never written (compiling reads their metadata only), as the build's own
-    memory-mapped weights are never read."""
-    from torch.export.graph_signature import InputKind
-    program = torch.export.load(program_file)
-    placeholders = {n.name: n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"}
-    leaves = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-              for v in (placeholders[s.arg.name] for s in program.graph_signature.input_specs
-                        if s.kind == InputKind.USER_INPUT)]
-    program.example_inputs = torch.utils._pytree.tree_unflatten(leaves, program.call_spec.in_spec)
-    return InductorBackend(device, cpu_target).compile(Traced(None, [], program), Path(out_dir))
+def compile_saved(device: str, cpu_target: str, program_file: str, examples: list, out_dir: str) -> CompiledGraph:
+    """A compile worker's call (InductorBackend.compile_task): the saved program compiled as compile() would, its
+    example inputs (which AOTInductor reads) stood in by tensors of the build's examples' shapes, strides, dtypes
+    and devices, allocated and never written: compiling reads their metadata, as it never reads the build's own
+    memory-mapped weights. A failure comes back as a RuntimeError naming it: inductor's errors hold frames, which
+    do not pickle across processes."""
+    try:
+        program = torch.export.load(program_file)
+        leaves = [torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device=where)
+                  for shape, stride, dtype, where in examples]
+        program.example_inputs = torch.utils._pytree.tree_unflatten(leaves, program.call_spec.in_spec)
+        return InductorBackend(device, cpu_target).compile(Traced(None, [], program), Path(out_dir))
+    except Exception as e:
+        raise RuntimeError(f"{type(e).__name__}: {e}") from None
 
 
 def export_graph(gdef, tensors: dict) -> Traced:
