@@ -372,6 +372,11 @@ def test_text_bucket_too_small_for_the_template(tmp_path, tiny_ckpt):
 
 def test_jobs_below_one_refused(tmp_path, tiny_ckpt):
     _fails(tmp_path, "--model", tiny_ckpt, "--jobs", "0", expect="--jobs 0: must be at least 1")
+    proc = qic("build", "--model", tiny_ckpt, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "out",
+               env={"QIC_COMPILE_JOBS": "two"}, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(
+        "error: QIC_COMPILE_JOBS=two: must be a whole number of at least 1"), proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
