@@ -370,6 +370,14 @@ def test_text_bucket_too_small_for_the_template(tmp_path, tiny_ckpt):
     _fails(tmp_path, "--model", tiny_ckpt, "--text-buckets", "40,", expect="too small for the prompt template")
 
 
+def test_jobs_where_graphs_compile_one_at_a_time_say_so(tmp_path, tiny_ckpt):
+    """An export build compiles nothing in workers: --jobs 2 is not dropped silently."""
+    proc = qic("build", "--model", tiny_ckpt, "--backend", "export", "--resolution", "{}x{}".format(*TINY_RES),
+               "--text-buckets", f"{BUCKETS[0]},", "--cache-dir", tmp_path / "c", "--output", tmp_path / "b",
+               "--jobs", "2")
+    assert "--jobs 2: this build compiles one graph at a time" in " ".join(proc.stderr.split()), proc.stderr
+
+
 def test_jobs_below_one_refused(tmp_path, tiny_ckpt):
     _fails(tmp_path, "--model", tiny_ckpt, "--jobs", "0", expect="--jobs 0: must be at least 1")
     proc = qic("build", "--model", tiny_ckpt, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "out",

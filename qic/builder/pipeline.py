@@ -85,6 +85,9 @@ def build(spec: BuildSpec, progress=None, on_plan=None, compile_jobs: int | None
     # Stage 2: one graph per bucket / resolution, through the compile cache.
     remote = open_remote(spec.cache_from, spec.cache_public_keys, spec.cache_trusted)
     workers = plan_workers(spec, compile_jobs)
+    if compile_jobs is not None and compile_jobs > 1 and workers == 1:
+        report.warnings.append(f"--jobs {compile_jobs}: this build compiles one graph at a time in the build process "
+                               "(TP and parallel layouts, the export and neuron back ends: qic/builder/workers.py)")
     artifacts, report.compile_workers = _compile_all(jobs, ctx, backend, shards, remote, progress, workers)
     for art in artifacts:
         report.rows.append(Row("compile", art.meta["graph"], art.cached,
