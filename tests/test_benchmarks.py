@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow   # each smoke runs a benchmark: builds, compiles,
 
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 # These take --dir and --cache-dir.
-BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache", "noop_build")
+BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache", "noop_build", "per_image")
 # Two lanes on two cores: two smokes at a time, or one beside the other xdist worker (`make test`'s -n 2), so the
 # seconds allowed below hold the same load either way.
 PARALLEL = 1 if xdist_worker() else 2
@@ -43,6 +43,9 @@ SMOKES = {
     "serve": (600, [r"\| request 2 latency \| \d+ ms \| +\|",
                     r"\| same requests, batch_sizes \[1, 2\] \(\d+ of 2 images batched\) \| [\d.]+ img/s .*"]),
     "nocfg": (420, [r"\| no-CFG graph \(batch 1\) \| [\d.]+ s \| .*", r"\| CFG graph \(batch 2\) \| [\d.]+ s \| .*"]),
+    "per_image": (420, [r"\| float32 \| 48x80 \| (short|long) \(\d+/\d+\) \| "
+                        r"(qic|qic-exact|diffusers|diffusers-compile) \| [\d.]+ s \| [\d.]+x \| \d+ ms \| "
+                        r"[\d.]+ s \| [\d.]+ s \| [\d.]+ s \| -?[\d.]+ s \| [\d.]+ \| .*"] * 8),
     "run": (420, [r"\| warm: per image \(2 steps, CFG\) \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \|",
                   r"\| achieved / fp32 matmul rate \| .* GFLOP/s \| .*"]),
     "noop_build": (420, [r"\| (no-op build|qic run cold start|import torch) \| [\d.]+ s \| [\d.]+ s \|"] * 3
