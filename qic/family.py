@@ -51,6 +51,9 @@ class Family:
     # The back ends its graphs are made for (qic.backends' names; None: every one). Checked by the build before any
     # work (qic.spec, when the build config is read), so no family code asks which back end it is built for.
     backends: tuple[str, ...] | None = None
+    # Its text-to-image graphs take a dynamic text length (text bucket 0): what a build without text buckets gets
+    # where the back end and the rest of the build allow it (qic.spec.default_buckets); else its fixed default.
+    exact_text: bool = False
 
     def host_of(self, spec) -> str:
         """The host program a build of `spec` records in its manifest."""

@@ -219,7 +219,7 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", at("dtype"), known),
         resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
             raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
-        text_buckets=(buckets := _buckets(raw, at, model)),
+        text_buckets=(buckets := _buckets(raw, at, model, _exact_by_default(raw, fam, backend, condition_sizes))),
         components=tuple(c for c in known if c in components),
         output=_path(raw.get("output", d.output), "output", at("output")),
         cache_dir=_path(raw.get("cache_dir", d.cache_dir), "cache_dir", at("cache_dir")),
@@ -485,12 +485,24 @@ def bucket_steps(step, source: str = "config") -> tuple[int, ...]:
     return tuple(range(step, MAX_TEXT_BUCKET + step, step))
 
 
-def _buckets(raw: Mapping, at, model: str | None = None) -> tuple[int, ...]:
+def _buckets(raw: Mapping, at, model: str | None = None, exact: bool = False) -> tuple[int, ...]:
+    """The build's text buckets: as given, else exact length (0) where `exact`, else the model's default."""
     if "text_bucket_step" in raw and "text_buckets" in raw:
         raise ConfigError(f"{at('text_bucket_step')}: give text_buckets or text_bucket_step, not both")
     if "text_bucket_step" in raw:
         return bucket_steps(raw["text_bucket_step"], at("text_bucket_step"))
-    return parse_buckets(raw.get("text_buckets", list(default_text_buckets(model))), at("text_buckets"))
+    default = (0,) if exact else default_text_buckets(model)
+    return parse_buckets(raw.get("text_buckets", list(default)), at("text_buckets"))
+
+
+def _exact_by_default(raw: Mapping, fam, backend: str, condition_sizes) -> bool:
+    """Whether a build that names no text buckets gets exact-length text (one graph per resolution for every prompt
+    length, no padded rows): where the family's graphs and the back end take a dynamic text length, and nothing
+    else in the build needs fixed ones (Ulysses pads the text to a multiple of U, a batch shares one length, the
+    edit graphs' text rows are fixed). Elsewhere the fixed default (one bucket of 128) holds, as before."""
+    fixed_needed = (condition_sizes or raw.get("ulysses", 1) not in (1, None)
+                    or any(n != 1 for n in _int_list(raw.get("batch_sizes", [1])) or [1]))
+    return bool(fam.exact_text and getattr(backends.info(backend), "DYNAMIC_TEXT", False) and not fixed_needed)
 
 
 def _cache_defaults_need_graphs(defaults: dict, step_cache, source: str) -> None:

@@ -39,11 +39,15 @@ def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
     with pytest.raises(ConfigError, match="batch_sizes .* needs fixed text_buckets"):
         parse_spec({"batch_sizes": [2], "text_buckets": 0})
     assert parse_spec({"batch_sizes": "2"}).batch_sizes == (1, 2)   # batch 1 is always built
-    plain = graph_shapes(parse_spec({"resolutions": ["48x80"]}))
-    both = graph_shapes(parse_spec({"resolutions": ["48x80"], "batch_sizes": [1, 2]}))
+    plain = graph_shapes(parse_spec({"resolutions": ["48x80"], "text_buckets": 128}))
+    both = graph_shapes(parse_spec({"resolutions": ["48x80"], "text_buckets": 128, "batch_sizes": [1, 2]}))
     assert [g for g in both if "batch" not in g[1]] == plain        # batch-1 shapes (spec keys) unchanged
     assert sorted(name_of(c, shape) for c, shape in both if "batch" in shape) == [
         "denoiser@48x80@L128@B2", "text_encoder@L128@B2", "vae_decoder@48x80@B2"]
+    # Without text buckets: exact-length text where nothing needs fixed ones; a batched build keeps the bucket of 128
+    assert parse_spec({}).text_buckets == (0,) and parse_spec({"batch_sizes": [1, 2]}).text_buckets == (128,)
+    assert parse_spec({"ulysses": 2, "tp": 2}).text_buckets == (128,)
+    assert parse_spec({"backend": "neuron"}).text_buckets == (128,)
 
 
 def test_denoise_step_batch_of_two_is_two_single_steps_and_pairs_rows(models):  # noqa: F811 (fixture)

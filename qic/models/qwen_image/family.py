@@ -20,4 +20,7 @@ FAMILY = Family(
     # the list against it), up to three images a request for Edit Plus (its "Picture 1..3"), one for Edit
     condition_defaults={"QwenImageEditPlusPipeline": (_PRESETS_AT_1024, 3),
                         "QwenImageEditPipeline": (_PRESETS_AT_1024, 1)},
+    # Exact-length text by default (docs/benchmarks.md, "Per image": the one bucket of 128 made the step compute
+    # 1.8x a short prompt's work at 128x128); its edit graphs, Ulysses and batched graphs take fixed buckets.
+    exact_text=True,
 )
