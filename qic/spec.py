@@ -16,7 +16,7 @@ import yaml
 from qic import backends, family
 from qic.checkpoint.presets import default_resolutions, default_text_buckets
 from qic.dtypes import TORCH_DTYPES
-from qic.errors import ConfigError
+from qic.errors import ConfigError, QicError
 from qic.host.aspect import PRESETS
 from qic.host.cache_policy import format_steps, settings_from
 from qic.host.options import DEFAULT_KEYS, check_all
@@ -216,7 +216,8 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         backend=backend,
         device=device,
         tp=tp,
-        dtype=_per_component(raw.get("dtype", "float32"), DTYPES, "dtype", at("dtype"), known),
+        dtype=_per_component(raw.get("dtype", _default_dtype(backend, device, raw.get("cpu_target"), known)), DTYPES,
+                             "dtype", at("dtype"), known),
         resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
             raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
         text_buckets=(buckets := _buckets(raw, at, model, _exact_by_default(raw, fam, backend, condition_sizes))),
@@ -493,6 +494,20 @@ def _buckets(raw: Mapping, at, model: str | None = None, exact: bool = False) ->
         return bucket_steps(raw["text_bucket_step"], at("text_bucket_step"))
     default = (0,) if exact else default_text_buckets(model)
     return parse_buckets(raw.get("text_buckets", list(default)), at("text_buckets"))
+
+
+def _default_dtype(backend: str, device: str, cpu_target, known) -> str | dict:
+    """A build without dtype: bf16 text encoder and denoiser where the back end says the build's CPU code runs on
+    bf16 units (the inductor back end's bf16_units: --cpu-target native on such a CPU), their images within bf16's
+    bound of diffusers' bf16 (tests/test_bf16_fidelity.py); float32 everywhere else. The VAE stays float32."""
+    units = getattr(backends.info(backend), "bf16_units", None)
+    if units is None or cpu_target not in (None, *backends.info(backend).OPTIONS.get("cpu_target", ())):
+        return "float32"   # a bad cpu_target is refused where it is read, in its own words
+    try:
+        on_bf16 = units(device, cpu_target)
+    except QicError:       # e.g. another machine's level: refused by the build that compiles for it
+        on_bf16 = False
+    return {c: "bfloat16" for c in ("text_encoder", "denoiser") if c in known} if on_bf16 else "float32"
 
 
 def _exact_by_default(raw: Mapping, fam, backend: str, condition_sizes) -> bool:

@@ -102,6 +102,22 @@ def test_auto_portable_and_explicit_targets_resolve_per_host(host, monkeypatch):
     assert resolve("portable") == "armv8.2-a+fp16+dotprod"
 
 
+def test_a_native_build_on_a_cpu_with_bf16_units_runs_bf16_by_default(host):
+    """Without a dtype, a build whose CPU code targets this host (native) runs its text encoder and denoiser in bf16
+    where the host has bf16 units (AVX512-BF16, AMX); the levels promise none, so every other build stays fp32."""
+    from qic.spec import parse_spec
+    host(SAPPHIRE_RAPIDS)
+    native = dict(parse_spec({"cpu_target": "native"}).dtype)
+    assert native["text_encoder"] == native["denoiser"] == "bfloat16" and native["vae_decoder"] == "float32"
+    for other in ({}, {"cpu_target": "auto"}, {"cpu_target": "x86-64-v4"}, {"backend": "export"},
+                  {"cpu_target": "native", "dtype": "float32"}, {"cpu_target": "native", "device": "cuda"}):
+        assert set(dict(parse_spec(other).dtype).values()) == {"float32"}, other
+    host(SKYLAKE_X - {"avx512_bf16"})   # AVX-512 without bf16 units
+    assert set(dict(parse_spec({"cpu_target": "native"}).dtype).values()) == {"float32"}
+    host(HASWELL | {"amx_bf16", "amx_tile"})
+    assert dict(parse_spec({"cpu_target": "native"}).dtype)["denoiser"] == "bfloat16"
+
+
 def test_the_backend_identity_records_the_level_alike_on_every_host_of_it(host, monkeypatch):
     from qic.backends.inductor.build import InductorBackend, compile_options
     from qic.spec import parse_spec

@@ -24,6 +24,20 @@ DYNAMIC_TEXT = True
 COMPILES_IN_WORKERS = True
 # Build-config keys only this back end takes, with their allowed values (qic/spec.py refuses them elsewhere).
 OPTIONS = {"cpu_target": CPU_TARGETS}
+# The instruction sets of CPUs with bf16 matrix units (AVX512-BF16's dot products, AMX's tiles): where the build's CPU
+# code targets one, bf16 is what its text encoder and denoiser run at by default (qic.spec).
+BF16_UNITS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def bf16_units(device: str, cpu_target: str | None) -> bool:
+    """Whether graphs built for `device` and `cpu_target` run on CPUs with bf16 units: a CPU build whose target is
+    this host (native), with them. The x86-64 levels (portable, auto, v3, v4) promise none, so their builds stay
+    fp32, which runs at full speed everywhere; docs/benchmarks.md "Per image" has the bf16 rows where they ran."""
+    from qic.backends.inductor import target as cpu
+    if device != "cpu":
+        return False
+    resolved = cpu.resolve_cpu_target(cpu_target)
+    return bool(BF16_UNITS & set(cpu.host_isa() if resolved == "native" else cpu.LEVELS[resolved].flags))
 
 # qic's own post-grad pass for CPU graphs (why: in that file). Keyed by its source's digest, read without
 # importing it: importing inductor's pass base class costs a second on no-op builds. The file's bytes are
