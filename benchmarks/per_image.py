@@ -2,14 +2,15 @@
 
     python -m benchmarks.per_image [--depth 2] [--resolutions 128,256,512,1024] [--steps 20] [--images 2]
     python -m benchmarks.per_image --table-only --dir DIR   # the table of an earlier run's DIR/results.json
-    python -m benchmarks.per_image --smoke   # --tiny, 48x80, 2 steps, 1 image; torch.compile's "eager" back end
+    python -m benchmarks.per_image --smoke   # --tiny, 48x80, 2 steps, the short prompt, 1 image; torch.compile's
+                                             # "eager" back end
 
 On a random checkpoint with the real Qwen-Image widths (benchmarks.realwidth's, depth reduced), per resolution,
-dtype and prompt (a short one and a long one), true CFG 4, in one run and one process tree, each side in a process
-of its own (one at a time, so that they never share the two cores):
-- qic: the bundle built here (a cold compile cache), loaded once; `--text-buckets` as given (default: the build's
-  default, one bucket of 128), and the same bundle built with exact-length text (`--text-buckets 0`, a dynamic
-  text dimension) as a second row;
+dtype and prompt (a short one and a long one; --prompts), true CFG 4, in one run and one process tree, each side
+in a process of its own (one at a time, so that they never share the two cores):
+- qic: the bundle built here (a cold compile cache), loaded once; `--text-buckets` as given, else the build's
+  default (exact-length text: a dynamic text dimension), and as a second row (qic-128) the same model built with
+  one fixed text bucket of 128 (the default before exact length);
 - diffusers: QwenImagePipeline eager;
 - diffusers + compile: the same with `transformer.compile_repeated_blocks(fullgraph=True)` (diffusers' regional
   compilation of the repeated block, as its docs recommend); the first image of each prompt compiles, its excess
@@ -41,7 +42,9 @@ PROMPTS = {
              "paint moored along a stone quay, gulls over the water, a lighthouse on the breakwater"),
 }
 NEGATIVE = " "
-SIDES = ("qic", "qic-exact", "diffusers", "diffusers-compile")
+# qic: the build's own text handling (exact-length text by default, or --text-buckets); qic-128: one fixed bucket of
+# 128, the default before exact length (docs/benchmarks.md's run of 2026-12-06 called these qic-exact and qic).
+SIDES = ("qic", "qic-128", "diffusers", "diffusers-compile")
 
 
 def bf16_units() -> list[str]:
@@ -55,10 +58,11 @@ def bf16_units() -> list[str]:
 
 # --------------------------------------------------------------------------------------------------- sides
 
-def _timed(run_one, images: int) -> dict:
+def _timed(run_one, images: int, prompts: list[str]) -> dict:
     """Per prompt: one warm-up image, then `images` timed ones; each returns its stage seconds."""
     out = {}
-    for name, prompt in PROMPTS.items():
+    for name in prompts:
+        prompt = PROMPTS[name]
         t = time.perf_counter()
         run_one(prompt)
         first = time.perf_counter() - t
@@ -71,7 +75,7 @@ def _timed(run_one, images: int) -> dict:
     return out
 
 
-def qic_side(bundle: str, size: str, steps: int, images: int) -> dict:
+def qic_side(bundle: str, size: str, steps: int, images: int, prompts: list[str]) -> dict:
     from qic.runtime.bundle import Bundle
     from qic.runtime.generate import Request, generate
     model = Bundle(bundle)
@@ -83,10 +87,11 @@ def qic_side(bundle: str, size: str, steps: int, images: int) -> dict:
         step = [v for k, v in r.timings.items() if k.startswith("step")]
         return {"text": r.timings["tokenize"] + r.timings["encode"], "steps": sum(step),
                 "step": statistics.median(step), "decode": r.timings["decode"], "bucket": r.bucket}
-    return _timed(one, images)
+    return _timed(one, images, prompts)
 
 
-def diffusers_side(ckpt: str, size: str, steps: int, images: int, dtype: str, compile_backend: str | None) -> dict:
+def diffusers_side(ckpt: str, size: str, steps: int, images: int, prompts: list[str], dtype: str,
+                   compile_backend: str | None) -> dict:
     import torch
     from diffusers import QwenImagePipeline
     pipe = QwenImagePipeline.from_pretrained(ckpt, torch_dtype=getattr(torch, dtype))
@@ -118,26 +123,27 @@ def diffusers_side(ckpt: str, size: str, steps: int, images: int, dtype: str, co
         calls = spent["steps_calls"]   # cond, then uncond, per step
         return {"text": spent["text"], "steps": spent["steps"], "decode": spent["decode"],
                 "step": statistics.median(a + b for a, b in zip(calls[0::2], calls[1::2]))}
-    return _timed(one, images)
+    return _timed(one, images, prompts)
 
 
 def run_side(args, side: str, size: str, dtype: str, where: Path) -> dict:
     """One side in a fresh process; its JSON result."""
     cmd = [sys.executable, "-m", "benchmarks.per_image", "--side", side, str(where), size, str(args.steps),
-           str(args.images), dtype, args.compile_backend]
+           str(args.images), ",".join(args.prompts), dtype, args.compile_backend]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{side} at {size} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("SIDE "))[len("SIDE "):])
 
 
-def side_main(side: str, where: str, size: str, steps: str, images: str, dtype: str, backend: str) -> None:
+def side_main(side: str, where: str, size: str, steps: str, images: str, prompts: str, dtype: str,
+              backend: str) -> None:
     import torch
     torch.manual_seed(0)
     if side.startswith("qic"):
-        res = qic_side(where, size, int(steps), int(images))
+        res = qic_side(where, size, int(steps), int(images), prompts.split(","))
     else:
-        res = diffusers_side(where, size, int(steps), int(images), dtype,
+        res = diffusers_side(where, size, int(steps), int(images), prompts.split(","), dtype,
                              backend if side == "diffusers-compile" else None)
     print("SIDE " + json.dumps(res))
 
@@ -170,13 +176,13 @@ def bench(args) -> dict:
     dtypes = ["float32"] + (["bfloat16"] if units and not args.fp32_only else [])
     res: dict = {"depth": configs["transformer"]["num_layers"], "steps": args.steps, "images": args.images,
                  "tiny": args.tiny, "bf16_units": units, "rows": []}
-    lengths = {name: realwidth.templated_lengths(ckpt, [p, NEGATIVE]) for name, p in PROMPTS.items()}
+    lengths = {name: realwidth.templated_lengths(ckpt, [PROMPTS[name], NEGATIVE]) for name in args.prompts}
     for dtype in dtypes:
-        bundles = {"qic": d / f"bundle-{dtype}", "qic-exact": d / f"bundle-{dtype}-exact"}
+        bundles = {"qic": d / f"bundle-{dtype}", "qic-128": d / f"bundle-{dtype}-128"}
         builds = {"qic": build(args, ckpt, dtype, args.text_buckets, bundles["qic"]),
-                  "qic-exact": build(args, ckpt, dtype, "0", bundles["qic-exact"])}
-        print(f"{dtype}: builds {builds['qic']:.0f} s (buckets {args.text_buckets or 'default'}), "
-              f"{builds['qic-exact']:.0f} s (exact-length text)", flush=True)
+                  "qic-128": build(args, ckpt, dtype, "128", bundles["qic-128"])}
+        print(f"{dtype}: builds {builds['qic']:.0f} s (text buckets {args.text_buckets or 'the default'}), "
+              f"{builds['qic-128']:.0f} s (bucket 128)", flush=True)
         for r in args.resolutions:
             sides = {}
             for side in SIDES:
@@ -186,10 +192,10 @@ def bench(args) -> dict:
                     flush=True)
             h, w = resolution(r)
             for name, (n_cond, n_uncond) in lengths.items():
-                bucket = sides["qic"][name]["runs"][0]["bucket"]
-                flops = {"qic": step_flops(configs, h, w, bucket),
-                         "qic-exact": step_flops(configs, h, w, max(n_cond, n_uncond)),
-                         "diffusers": sum(step_flops(configs, h, w, n, cfg=False) for n in (n_cond, n_uncond))}
+                bucket = sides["qic"][name]["runs"][0]["bucket"]   # 0: exact length, both rows at the longer
+                flops = {q: step_flops(configs, h, w, sides[q][name]["runs"][0]["bucket"] or max(n_cond, n_uncond))
+                         for q in ("qic", "qic-128")}
+                flops["diffusers"] = sum(step_flops(configs, h, w, n, cfg=False) for n in (n_cond, n_uncond))
                 flops["diffusers-compile"] = flops["diffusers"]
                 res["rows"].append({"dtype": dtype, "size": r, "prompt": name, "tokens": [n_cond, n_uncond],
                                     "bucket": bucket, "flops": flops, "build": builds,
@@ -232,20 +238,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--images", type=int, default=2, help="timed images per prompt and side (after a warm-up)")
     ap.add_argument("--text-buckets", default="", help="qic build's --text-buckets for the first qic row "
                                                        "(default: the build's own default)")
+    ap.add_argument("--prompts", default="short,long", help=f"of {', '.join(PROMPTS)}")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile's back end for diffusers + compile")
     ap.add_argument("--fp32-only", action="store_true", help="no bf16 rows even where the CPU has bf16 units")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny checkpoint instead of the real widths")
     ap.add_argument("--dir", type=Path, default=Path("artifacts/per-image"))
     ap.add_argument("--cache-dir", type=Path, help="qic's compile cache (default: DIR/cache)")
     ap.add_argument("--table-only", action="store_true", help="print the table of DIR/results.json (no run)")
-    ap.add_argument("--side", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--side", nargs=8, help=argparse.SUPPRESS)
     # The smoke proves the path: the tiny model, and torch.compile's "eager" back end (dynamo traces the block, no
     # C++ compiles); its figures mean nothing.
     args = parse_args(ap, argv, {"tiny": True, "resolutions": "48x80", "steps": 2, "images": 1, "dir": None,
-                                 "compile_backend": "eager", "fp32_only": True})
+                                 "compile_backend": "eager", "fp32_only": True, "prompts": "short"})
     if args.side:
         return side_main(*args.side)
     args.dir = args.dir or smoke_dir("per_image")
+    args.prompts = args.prompts.split(",")
+    if not args.prompts or set(args.prompts) - set(PROMPTS):
+        ap.error(f"--prompts: a comma-separated list of {', '.join(PROMPTS)}")
     args.resolutions = [f"{h}x{w}" if h != w else str(h) for h, w in map(resolution, args.resolutions.split(","))]
     print(table(json.loads((args.dir / "results.json").read_text()) if args.table_only else bench(args)))
 

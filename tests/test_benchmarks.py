@@ -43,9 +43,9 @@ SMOKES = {
     "serve": (600, [r"\| request 2 latency \| \d+ ms \| +\|",
                     r"\| same requests, batch_sizes \[1, 2\] \(\d+ of 2 images batched\) \| [\d.]+ img/s .*"]),
     "nocfg": (420, [r"\| no-CFG graph \(batch 1\) \| [\d.]+ s \| .*", r"\| CFG graph \(batch 2\) \| [\d.]+ s \| .*"]),
-    "per_image": (420, [r"\| float32 \| 48x80 \| (short|long) \(\d+/\d+\) \| "
-                        r"(qic|qic-exact|diffusers|diffusers-compile) \| [\d.]+ s \| [\d.]+x \| \d+ ms \| "
-                        r"[\d.]+ s \| [\d.]+ s \| [\d.]+ s \| -?[\d.]+ s \| [\d.]+ \| .*"] * 8),
+    "per_image": (420, [r"\| float32 \| 48x80 \| short \(\d+/\d+\) \| "
+                        r"(qic|qic-128|diffusers|diffusers-compile) \| [\d.]+ s \| [\d.]+x \| \d+ ms \| "
+                        r"[\d.]+ s \| [\d.]+ s \| [\d.]+ s \| -?[\d.]+ s \| [\d.]+ \| .*"] * 4),
     "run": (420, [r"\| warm: per image \(2 steps, CFG\) \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \|",
                   r"\| achieved / fp32 matmul rate \| .* GFLOP/s \| .*"]),
     "noop_build": (420, [r"\| (no-op build|qic run cold start|import torch) \| [\d.]+ s \| [\d.]+ s \|"] * 3
