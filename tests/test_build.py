@@ -379,7 +379,7 @@ def test_jobs_where_graphs_compile_one_at_a_time_say_so(tmp_path, tiny_ckpt):
 
 
 def test_jobs_below_one_refused(tmp_path, tiny_ckpt):
-    _fails(tmp_path, "--model", tiny_ckpt, "--jobs", "0", expect="--jobs 0: must be at least 1")
+    _fails(tmp_path, "--model", tiny_ckpt, "--jobs", "0", expect="--jobs 0: must be a whole number of at least 1")
     proc = qic("build", "--model", tiny_ckpt, "--cache-dir", tmp_path / "cache", "--output", tmp_path / "out",
                env={"QIC_COMPILE_JOBS": "two"}, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(

@@ -34,12 +34,17 @@ def default_jobs() -> int:
     """Compile workers when --jobs is not given: $QIC_COMPILE_JOBS, else one per core this process may use,
     as many as the free memory holds (WORKER_MEMORY each)."""
     if os.environ.get(JOBS_ENV):
-        value = os.environ[JOBS_ENV]
-        if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"{JOBS_ENV}={value}: must be a whole number of at least 1")
-        return int(value)
+        return checked_jobs(os.environ[JOBS_ENV], f"{JOBS_ENV}={os.environ[JOBS_ENV]}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, _available_memory() // WORKER_MEMORY))
+
+
+def checked_jobs(value, source: str) -> int:
+    """A compile-worker count (--jobs, $QIC_COMPILE_JOBS): a whole number of at least 1, else one line naming
+    `source`."""
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+        raise ConfigError(f"{source}: must be a whole number of at least 1")
+    return int(value)
 
 
 def plan_workers(spec, jobs: int | None = None) -> int:

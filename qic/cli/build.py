@@ -8,15 +8,15 @@ from rich.table import Table
 
 from qic.cli.plan import model_name, print_plan
 from qic.cli.tables import size, wide_console
-from qic.errors import ConfigError
 
 
 def run_build(config, overrides, jobs: int | None = None) -> None:
     from qic.builder.pipeline import build
     from qic.builder.source import load_spec_by_family
 
-    if jobs is not None and jobs < 1:
-        raise ConfigError(f"--jobs {jobs}: must be at least 1")
+    if jobs is not None:
+        from qic.builder.workers import checked_jobs
+        checked_jobs(jobs, f"--jobs {jobs}")
     spec = load_spec_by_family(config, overrides)
     console = wide_console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
