@@ -52,8 +52,11 @@ class Family:
     # work (qic.spec, when the build config is read), so no family code asks which back end it is built for.
     backends: tuple[str, ...] | None = None
     # Its text-to-image graphs take a dynamic text length (text bucket 0): what a build without text buckets gets
-    # where the back end and the rest of the build allow it (qic.spec.default_buckets); else its fixed default.
+    # where the back end and the rest of the build allow it (qic.spec._exact_by_default); else its fixed default.
     exact_text: bool = False
+    # Its text-to-image images in bf16 are checked against the reference's bf16: a build without dtype for a CPU with
+    # bf16 units runs its text encoder and denoiser in bf16 (qic.spec._default_dtype)
+    bf16_default: bool = False
 
     def host_of(self, spec) -> str:
         """The host program a build of `spec` records in its manifest."""

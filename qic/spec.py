@@ -53,6 +53,7 @@ class BuildSpec:
     # (height, width); when not given, the model's own: the trained default's three, else 48x80
     resolutions: tuple[tuple[int, int], ...] = default_resolutions(None)
     text_buckets: tuple[int, ...] = (128,)         # text-encoder lengths, template included; (0,) = exact length
+                                                   # (load_spec's default where it applies: _exact_by_default)
     components: tuple[str, ...] = field(default_factory=lambda: family.names(family.default()))
     output: str = "artifacts/shapes"
     cache_dir: str = "artifacts/cache"
@@ -216,11 +217,12 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         backend=backend,
         device=device,
         tp=tp,
-        dtype=_per_component(raw.get("dtype", _default_dtype(backend, device, raw.get("cpu_target"), known)), DTYPES,
-                             "dtype", at("dtype"), known),
+        dtype=_per_component(raw.get("dtype", _default_dtype(fam, backend, device, raw.get("cpu_target"), known,
+                                                             condition_sizes)), DTYPES, "dtype", at("dtype"), known),
         resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
             raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
-        text_buckets=(buckets := _buckets(raw, at, model, _exact_by_default(raw, fam, backend, condition_sizes))),
+        text_buckets=(buckets := _buckets(raw, at, model,
+                                          _exact_by_default(raw, fam, backend, device, condition_sizes))),
         components=tuple(c for c in known if c in components),
         output=_path(raw.get("output", d.output), "output", at("output")),
         cache_dir=_path(raw.get("cache_dir", d.cache_dir), "cache_dir", at("cache_dir")),
@@ -246,6 +248,9 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         condition_sizes=condition_sizes,
         condition_images=condition_images,
     )
+    if 0 in spec.text_buckets and not getattr(backends.info(backend), "DYNAMIC_TEXT", False):
+        raise ConfigError(f"{at('text_buckets')}: exact-length text (0) needs graphs with a dynamic text length; the "
+                          f"{backend} back end's have static shapes", "use fixed text buckets, e.g. 128,256")
     _cache_defaults_need_graphs(dict(spec.defaults), spec.step_cache, at("defaults"))
     _layout_combinations(spec, at)
     return spec
@@ -496,12 +501,15 @@ def _buckets(raw: Mapping, at, model: str | None = None, exact: bool = False) ->
     return parse_buckets(raw.get("text_buckets", list(default)), at("text_buckets"))
 
 
-def _default_dtype(backend: str, device: str, cpu_target, known) -> str | dict:
+def _default_dtype(fam, backend: str, device: str, cpu_target, known, condition_sizes) -> str | dict:
     """A build without dtype: bf16 text encoder and denoiser where the back end says the build's CPU code runs on
-    bf16 units (the inductor back end's bf16_units: --cpu-target native on such a CPU), their images within bf16's
-    bound of diffusers' bf16 (tests/test_bf16_fidelity.py); float32 everywhere else. The VAE stays float32."""
+    bf16 units (the inductor back end's bf16_units: --cpu-target native on such a CPU) and the family's bf16
+    text-to-image images are checked against the reference's bf16 (Family.bf16_default; Qwen-Image's:
+    tests/test_bf16_fidelity.py, at exact-length text as such a build gets it); float32 everywhere else, condition
+    images' builds included. The VAE stays float32."""
     units = getattr(backends.info(backend), "bf16_units", None)
-    if units is None or cpu_target not in (None, *backends.info(backend).OPTIONS.get("cpu_target", ())):
+    if units is None or not fam.bf16_default or condition_sizes \
+            or cpu_target not in (None, *backends.info(backend).OPTIONS.get("cpu_target", ())):
         return "float32"   # a bad cpu_target is refused where it is read, in its own words
     try:
         on_bf16 = units(device, cpu_target)
@@ -510,12 +518,14 @@ def _default_dtype(backend: str, device: str, cpu_target, known) -> str | dict:
     return {c: "bfloat16" for c in ("text_encoder", "denoiser") if c in known} if on_bf16 else "float32"
 
 
-def _exact_by_default(raw: Mapping, fam, backend: str, condition_sizes) -> bool:
+def _exact_by_default(raw: Mapping, fam, backend: str, device: str, condition_sizes) -> bool:
     """Whether a build that names no text buckets gets exact-length text (one graph per resolution for every prompt
     length, no padded rows): where the family's graphs and the back end take a dynamic text length, and nothing
     else in the build needs fixed ones (Ulysses pads the text to a multiple of U, a batch shares one length, the
-    edit graphs' text rows are fixed). Elsewhere the fixed default (one bucket of 128) holds, as before."""
-    fixed_needed = (condition_sizes or raw.get("ulysses", 1) not in (1, None)
+    edit graphs' text rows are fixed) or has not run with a dynamic one (graphs with collectives: TP and
+    CFG-parallel; CUDA). Elsewhere the fixed default (one bucket of 128, an embedded edit preset's own) holds."""
+    fixed_needed = (condition_sizes or device != "cpu" or raw.get("tp", 1) not in (1, None)
+                    or raw.get("ulysses", 1) not in (1, None) or raw.get("cfg_parallel") is True
                     or any(n != 1 for n in _int_list(raw.get("batch_sizes", [1])) or [1]))
     return bool(fam.exact_text and getattr(backends.info(backend), "DYNAMIC_TEXT", False) and not fixed_needed)
 

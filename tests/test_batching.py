@@ -46,8 +46,11 @@ def test_batch_sizes_key_is_validated_and_batch_1_graphs_keep_their_names():
         "denoiser@48x80@L128@B2", "text_encoder@L128@B2", "vae_decoder@48x80@B2"]
     # Without text buckets: exact-length text where nothing needs fixed ones; a batched build keeps the bucket of 128
     assert parse_spec({}).text_buckets == (0,) and parse_spec({"batch_sizes": [1, 2]}).text_buckets == (128,)
-    assert parse_spec({"ulysses": 2, "tp": 2}).text_buckets == (128,)
-    assert parse_spec({"backend": "neuron"}).text_buckets == (128,)
+    for fixed in ({"ulysses": 2, "tp": 2}, {"tp": 2}, {"cfg_parallel": True}, {"device": "cuda"},
+                  {"backend": "neuron"}):
+        assert parse_spec(fixed).text_buckets == (128,), fixed
+    with pytest.raises(ConfigError, match="exact-length text .0. needs graphs with a dynamic text length; the neuron"):
+        parse_spec({"backend": "neuron", "text_buckets": 0})
 
 
 def test_denoise_step_batch_of_two_is_two_single_steps_and_pairs_rows(models):  # noqa: F811 (fixture)

@@ -116,6 +116,10 @@ def test_a_native_build_on_a_cpu_with_bf16_units_runs_bf16_by_default(host):
     assert set(dict(parse_spec({"cpu_target": "native"}).dtype).values()) == {"float32"}
     host(HASWELL | {"amx_bf16", "amx_tile"})
     assert dict(parse_spec({"cpu_target": "native"}).dtype)["denoiser"] == "bfloat16"
+    host(SANDY_BRIDGE | {"avx512_bf16"})   # no level fits: portable falls back to native, and stays fp32
+    assert set(dict(parse_spec({}).dtype).values()) == {"float32"}
+    with_conditions = {"cpu_target": "native", "model": "embedded:shapes-edit"}   # condition images: fp32
+    assert set(dict(parse_spec(with_conditions).dtype).values()) == {"float32"}
 
 
 def test_the_backend_identity_records_the_level_alike_on_every_host_of_it(host, monkeypatch):

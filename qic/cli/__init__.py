@@ -89,7 +89,8 @@ _BUILD_OPTIONS = [
     click.option("--condition-images", type=int,
                  help="Most condition images one request holds (default 1 with --condition-size)."),
     click.option("--text-buckets", help="Text-encoder lengths: one (128), a list (72,128), or 0 for exact length "
-                                        "(the default where the back end, family and layout allow it; else 128)."),
+                                        "(the default of one-rank, batch-1 text-to-image CPU builds where the "
+                                        "family and back end take it; else 128)."),
     click.option("--text-bucket-step", type=int, help="Buckets every N tokens (N, 2N, ... up to the longest prompt)."),
     click.option("--batch-sizes", help="Images per graph call to build graphs for, e.g. 1,2 (qic serve batches "
                                        "compatible requests in these sizes); default 1."),

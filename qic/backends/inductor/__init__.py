@@ -30,14 +30,12 @@ BF16_UNITS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def bf16_units(device: str, cpu_target: str | None) -> bool:
-    """Whether graphs built for `device` and `cpu_target` run on CPUs with bf16 units: a CPU build whose target is
-    this host (native), with them. The x86-64 levels (portable, auto, v3, v4) promise none, so their builds stay
-    fp32, which runs at full speed everywhere; docs/benchmarks.md "Per image" has the bf16 rows where they ran."""
+    """Whether graphs built for `device` and `cpu_target` run on CPUs with bf16 units: a CPU build asked for this
+    host (cpu_target native) on a host with them. The x86-64 levels (portable, auto, v3, v4) promise none, so their
+    builds stay fp32, which runs at full speed everywhere, also where portable falls back to native on a host
+    that fits no level."""
     from qic.backends.inductor import target as cpu
-    if device != "cpu":
-        return False
-    resolved = cpu.resolve_cpu_target(cpu_target)
-    return bool(BF16_UNITS & set(cpu.host_isa() if resolved == "native" else cpu.LEVELS[resolved].flags))
+    return device == "cpu" and cpu_target == "native" and bool(BF16_UNITS & set(cpu.host_isa()))
 
 # qic's own post-grad pass for CPU graphs (why: in that file). Keyed by its source's digest, read without
 # importing it: importing inductor's pass base class costs a second on no-op builds. The file's bytes are

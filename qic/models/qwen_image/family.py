@@ -23,4 +23,5 @@ FAMILY = Family(
     # Exact-length text by default (docs/benchmarks.md, "Per image": the one bucket of 128 made the step compute
     # 1.8x a short prompt's work at 128x128); its edit graphs, Ulysses and batched graphs take fixed buckets.
     exact_text=True,
+    bf16_default=True,   # tests/test_bf16_fidelity.py
 )
