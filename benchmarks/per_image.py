@@ -48,12 +48,10 @@ SIDES = ("qic", "qic-128", "diffusers", "diffusers-compile")
 
 
 def bf16_units() -> list[str]:
-    """The CPU's bf16 instruction sets, from /proc/cpuinfo's flags (empty: none, or not Linux)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+    """This CPU's bf16 instruction sets (empty: none), as qic's bf16 default reads them."""
+    from qic.backends.inductor import BF16_UNITS
+    from qic.backends.inductor.target import host_isa
+    return sorted(BF16_UNITS & set(host_isa()))
 
 
 # --------------------------------------------------------------------------------------------------- sides

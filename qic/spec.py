@@ -16,7 +16,7 @@ import yaml
 from qic import backends, family
 from qic.checkpoint.presets import default_resolutions, default_text_buckets
 from qic.dtypes import TORCH_DTYPES
-from qic.errors import ConfigError, QicError
+from qic.errors import ConfigError
 from qic.host.aspect import PRESETS
 from qic.host.cache_policy import format_steps, settings_from
 from qic.host.options import DEFAULT_KEYS, check_all
@@ -196,6 +196,8 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         targets = "; ".join(f"{n}: {' or '.join(backends.info(n).DEVICES)}" for n in BACKENDS)
         raise ConfigError(f"{at('device')}: backend {backend!r} cannot target device {device!r} ({targets})")
     tp = _positive_int(raw.get("tp", d.tp), "tp", at("tp"))
+    ulysses = _positive_int(raw.get("ulysses", d.ulysses), "ulysses", at("ulysses"))
+    cfg_parallel = _bool(raw.get("cfg_parallel", d.cfg_parallel), "cfg_parallel", at("cfg_parallel"))
     model = _optional_str(raw.get("model", d.model), "model", at("model"))
     fam = model_family(model)
     if fam.backends is not None and backend not in fam.backends:   # the family record's own list (qic.family)
@@ -221,8 +223,8 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
                                                              condition_sizes)), DTYPES, "dtype", at("dtype"), known),
         resolutions=tuple(parse_resolution(r, at("resolutions")) for r in _str_list(
             raw.get("resolutions", [f"{h}x{w}" for h, w in resolutions]), "resolutions", at("resolutions"))),
-        text_buckets=(buckets := _buckets(raw, at, model,
-                                          _exact_by_default(raw, fam, backend, device, condition_sizes))),
+        text_buckets=(buckets := _buckets(raw, at, model, _exact_by_default(
+            fam, backend, device, condition_sizes, tp > 1 or ulysses > 1 or cfg_parallel, raw.get("batch_sizes")))),
         components=tuple(c for c in known if c in components),
         output=_path(raw.get("output", d.output), "output", at("output")),
         cache_dir=_path(raw.get("cache_dir", d.cache_dir), "cache_dir", at("cache_dir")),
@@ -243,12 +245,12 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         batch_sizes=_batch_sizes(raw.get("batch_sizes", [1]), buckets, at("batch_sizes")),
         cpu_target=_cpu_target(raw.get("cpu_target"), backend, at("cpu_target")),
         step_cache=_step_cache(raw.get("step_cache"), components, at("step_cache")),
-        ulysses=_positive_int(raw.get("ulysses", d.ulysses), "ulysses", at("ulysses")),
-        cfg_parallel=_bool(raw.get("cfg_parallel", d.cfg_parallel), "cfg_parallel", at("cfg_parallel")),
+        ulysses=ulysses,
+        cfg_parallel=cfg_parallel,
         condition_sizes=condition_sizes,
         condition_images=condition_images,
     )
-    if 0 in spec.text_buckets and not getattr(backends.info(backend), "DYNAMIC_TEXT", False):
+    if 0 in spec.text_buckets and not _dynamic_text(backend):
         raise ConfigError(f"{at('text_buckets')}: exact-length text (0) needs graphs with a dynamic text length; the "
                           f"{backend} back end's have static shapes", "use fixed text buckets, e.g. 128,256")
     _cache_defaults_need_graphs(dict(spec.defaults), spec.step_cache, at("defaults"))
@@ -508,26 +510,26 @@ def _default_dtype(fam, backend: str, device: str, cpu_target, known, condition_
     tests/test_bf16_fidelity.py, at exact-length text as such a build gets it); float32 everywhere else, condition
     images' builds included. The VAE stays float32."""
     units = getattr(backends.info(backend), "bf16_units", None)
-    if units is None or not fam.bf16_default or condition_sizes \
-            or cpu_target not in (None, *backends.info(backend).OPTIONS.get("cpu_target", ())):
-        return "float32"   # a bad cpu_target is refused where it is read, in its own words
-    try:
-        on_bf16 = units(device, cpu_target)
-    except QicError:       # e.g. another machine's level: refused by the build that compiles for it
-        on_bf16 = False
-    return {c: "bfloat16" for c in ("text_encoder", "denoiser") if c in known} if on_bf16 else "float32"
+    if units is None or not fam.bf16_default or condition_sizes or not units(device, cpu_target):
+        return "float32"   # a bad cpu_target reads as none of these, and is refused where it is read
+    return {c: "bfloat16" for c in ("text_encoder", "denoiser") if c in known}
 
 
-def _exact_by_default(raw: Mapping, fam, backend: str, device: str, condition_sizes) -> bool:
+def _dynamic_text(backend: str) -> bool:
+    """Whether the back end's graphs may take a dynamic text length (its DYNAMIC_TEXT)."""
+    return getattr(backends.info(backend), "DYNAMIC_TEXT", False)
+
+
+def _exact_by_default(fam, backend: str, device: str, condition_sizes, several_ranks: bool, batch_sizes) -> bool:
     """Whether a build that names no text buckets gets exact-length text (one graph per resolution for every prompt
     length, no padded rows): where the family's graphs and the back end take a dynamic text length, and nothing
     else in the build needs fixed ones (Ulysses pads the text to a multiple of U, a batch shares one length, the
     edit graphs' text rows are fixed) or has not run with a dynamic one (graphs with collectives: TP and
     CFG-parallel; CUDA). Elsewhere the fixed default (one bucket of 128, an embedded edit preset's own) holds."""
-    fixed_needed = (condition_sizes or device != "cpu" or raw.get("tp", 1) not in (1, None)
-                    or raw.get("ulysses", 1) not in (1, None) or raw.get("cfg_parallel") is True
-                    or any(n != 1 for n in _int_list(raw.get("batch_sizes", [1])) or [1]))
-    return bool(fam.exact_text and getattr(backends.info(backend), "DYNAMIC_TEXT", False) and not fixed_needed)
+    # batch_sizes as given (they are checked against the buckets after): only whether any is above 1 matters here
+    fixed_needed = (condition_sizes or device != "cpu" or several_ranks
+                    or any(n != 1 for n in _int_list(batch_sizes if batch_sizes is not None else [1]) or [1]))
+    return bool(fam.exact_text and _dynamic_text(backend) and not fixed_needed)
 
 
 def _cache_defaults_need_graphs(defaults: dict, step_cache, source: str) -> None:
