@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.zygote import RUN_LOG
+
 ROOT = Path(__file__).resolve().parent.parent
 REFUSING_CXX = ROOT / "tests" / "fakes" / "refusing_cxx"
 
@@ -68,6 +70,8 @@ def pytest_configure(config):
     _count_processes_and_pipelines()
     if getattr(config.option, "loadscopereorder", None):   # xdist's loadfile takes LONGEST_FIRST's order instead
         config.option.loadscopereorder = False
+    # Each forked run's CPU (tests/zygote.py), in one file for the whole run: the workers inherit the variable.
+    os.environ.setdefault(RUN_LOG, str(Path(config._tmp_path_factory.getbasetemp()) / "runs.jsonl"))
     if fast_tier(config):   # xdist's workers inherit the controller's log through the environment
         global _refused_log
         _refused_log = Path(os.environ.setdefault("QIC_REFUSED_CXX_LOG", str(Path(
@@ -215,12 +219,37 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     write = terminalreporter.write_line
     write("")
     write(f"suite cost: {time.time() - _start:.0f} s wall", bold=True)
+    runs = _forked_runs(Path(os.environ[RUN_LOG]))
     slowest = sorted(_files.items(), key=lambda kv: -kv[1]["seconds"])[:10]
     for name, f in slowest:
+        cpu = sum(r["cpu"] for r in runs if r["test"].split("::")[0] == name)
         write(f"  {f['seconds']:7.1f} s  {name}  ({f['pipelines']} diffusers pipelines run, "
-              f"{f['processes']} processes started)")
+              f"{f['processes']} processes started, {cpu:.0f} s of CPU in forked runs)")
     graphs = compiled_graphs(Path(config._tmp_path_factory.getbasetemp()), _start)
     by_backend = ", ".join(f"{n} {b} ({secs:.0f} s)" for b, (n, secs) in sorted(graphs.items())) or "0"
     write(f"  graphs compiled: {by_backend}, diffusers pipelines run: "
           f"{sum(f['pipelines'] for f in _files.values())}, processes started: "
           f"{sum(f['processes'] for f in _files.values())}")
+    by_run: dict = defaultdict(lambda: [0, 0.0, 0.0])
+    for r in runs:
+        by_run[r["run"]][0] += 1
+        by_run[r["run"]][1] += r["cpu"]
+        by_run[r["run"]][2] += r["wall"]
+    top = sorted(by_run.items(), key=lambda kv: -kv[1][1])[:8]
+    write("  forked runs, CPU / wall seconds: " + (", ".join(
+        f"{run} x{n} {cpu:.0f} / {wall:.0f}" for run, (n, cpu, wall) in top) or "none"))
+
+
+def _forked_runs(path: Path) -> list[dict]:
+    """The runs tests/zygote.py logged (a line each; a line cut short by a killed run is left out)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    runs = []
+    for line in lines:
+        try:
+            runs.append(json.loads(line))
+        except ValueError:
+            continue
+    return runs

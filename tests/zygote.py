@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 # Those an environment lacks are skipped. Beyond torch itself, the parts of it a build imports (torch.export,
 # dynamo, inductor, torch.distributed, sympy): about 2 s of a core that every `qic build` and every run of an
@@ -37,6 +38,8 @@ PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch", "torch.distribute
 # Environment variables read while those modules import (or at interpreter start): a zygote serves runs whose
 # values of these are its own (inductor's config reads TORCHINDUCTOR_*, AOT_INDUCTOR_* and CXX at import; torch_xla
 # reads PJRT_*, XLA_* and the Neuron runtime's NEURON_*).
+# The file each run's cost is appended to (tests/tiers.py sets it per pytest process and sums it at the end).
+RUN_LOG = "QIC_TEST_RUNLOG"
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_", "GOMP_", "AOT_INDUCTOR", "AOTINDUCTOR",
                    "INDUCTOR_", "PT2_", "CXX", "CC", "PJRT_", "XLA_", "NEURON")
 
@@ -60,6 +63,25 @@ def _run(request: dict) -> None:
     raise SystemExit(0)   # the CLI returned: exit through the interpreter's shutdown, as `python -m` does
 
 
+def _log_cost(request: dict, usage, wall: float) -> None:
+    """One JSON line for the run in the file $QIC_TEST_RUNLOG names (tests/tiers.py sums them): the test that asked,
+    what ran, its CPU seconds (its own and its waited-for children's: a build's C++ compiler, a run's ranks) and wall
+    seconds. One write of an O_APPEND file: lines of runs ending together do not interleave."""
+    path = request["env"].get(RUN_LOG)
+    if not path:
+        return
+    args = request["args"]
+    line = json.dumps({"test": request["env"].get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+                       "run": " ".join([request["module"], *args[:1]] if request["module"] == "qic.cli"
+                                       else [request["module"]]),
+                       "cpu": round(usage.ru_utime + usage.ru_stime, 2), "wall": round(wall, 2)})
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def _runner(conn: socket.socket) -> None:
     """In the forked runner of one connection: fork the run, report its pid and its exit status."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -69,7 +91,9 @@ def _runner(conn: socket.socket) -> None:
         conn.close()
         _run(request)
     conn.sendall(f"{pid}\n".encode())
-    _, status = os.waitpid(pid, 0)
+    start = time.monotonic()
+    _, status, usage = os.wait4(pid, 0)
+    _log_cost(request, usage, time.monotonic() - start)
     conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
     conn.close()
     os._exit(0)
