@@ -202,18 +202,19 @@ def prediction_error(latents: torch.Tensor, got: torch.Tensor, want: torch.Tenso
 
 
 RANK_AXES = {"cfg_rank": "cfg", "sp_rank": "sp"}
-PARTS = (("head", None), ("mid", None), ("mid", 1), ("tail", None))
+PARTS = (("head", None), ("rest", None), ("mid", 1), ("tail", None))
 
 
 # What each part's check compares: the outputs that are not mostly an input passed through. The middle's img and
 # txt are its inputs plus their residuals, so its residuals are compared; the tail's next latents are the latents
-# input plus the update, so its prediction is (sigma 1 -> 0: euler_whole); the head's outputs are all computed.
+# input plus the update, so its prediction is (sigma 1 -> 0: euler_whole); the rest (middle and tail) has both; the
+# head's outputs are all computed.
 CHECKED = {"head": ("img", "txt", "temb", "residual", "diff"), "mid": ("img_residual", "txt_residual"),
-           "tail": ("prediction",)}
+           "tail": ("prediction",), "rest": ("prediction", "img_residual", "txt_residual")}
 
 
 def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
-    """Step caching's split graphs (head, mid, mid over one row, tail) of a 4-block denoiser at TP=tp:
+    """Step caching's split graphs (head, rest, mid over one row, tail) of a 4-block denoiser at TP=tp:
     lowered, executed on tp XLA:CPU devices with each rank's shard, every CHECKED output compared with the TP=1
     eager part on the same weights; plus a host transfer count (a decision read inside a graph would be one).
     Two broken runs show the comparison can fail: the text mask dropped (every key attended), and at tp > 1
@@ -255,9 +256,8 @@ def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
 
         def checked(rank_out):   # {output name: errors()} of the CHECKED outputs of one rank
             got, ref = dict(zip(g.outputs, rank_out)), dict(zip(g.outputs, want))
-            if part == "tail":
-                return {"prediction": prediction_error(feed["latents"], got["latents"], ref["latents"])}
-            return {n: errors(got[n], ref[n]) for n in CHECKED[part]}
+            return {n: prediction_error(feed["latents"], got["latents"], ref["latents"]) if n == "prediction"
+                    else errors(got[n], ref[n]) for n in CHECKED[part]}
 
         def cos(a, b):
             return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()

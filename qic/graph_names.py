@@ -7,8 +7,8 @@ def graph_name(component: str, resolution=None, bucket=None, cfg: bool = True, b
                part: str | None = None, rows: int | None = None) -> str:
     """denoiser@HxW@L<bucket>[@nocfg][@<part>[@R<rows>]][@B<batch>], text_encoder@L<bucket>[@B<batch>],
     vae_decoder@HxW[@B<batch>] (bucket 0: Lexact). Batch 1 has no suffix: its names predate batched graphs.
-    part: a step-caching part of the step (head, mid, tail; qic/models/qwen_image/step_cache.py); rows: a middle graph
-    over that many rows instead of all of them."""
+    part: a step-caching part of the step (head, rest, mid, tail; qic/models/qwen_image/step_cache.py); rows: a
+    middle graph over that many rows instead of all of them."""
     name = component
     if resolution is not None:
         name += "@{}x{}".format(*resolution)

@@ -85,7 +85,7 @@ def _check_bundle(name, out) -> dict:
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["layout"] == layout
     step = next(g for g in manifest["graphs"]
-                if g["component"] == "denoiser" and not g["name"].endswith(("@head", "@mid", "@tail")))
+                if g["component"] == "denoiser" and not g["name"].endswith(("@head", "@rest", "@mid", "@R1", "@tail")))
     assert [i["name"] for i in step["inputs"]][-len(last_inputs):] == last_inputs
     shown = " ".join(qic("inspect", out, env={"COLUMNS": "300"}).stdout.split())
     assert INSPECT[name] in shown and ("step caching: split graphs" in shown) == LAYOUTS[name][3], shown

@@ -98,7 +98,8 @@ def fbc_bundle(bundle_export, workdir, cache_dir, tiny_ckpt):
 
 def test_split_parts_are_the_whole_step():
     """Eager, looped and unrolled: head -> mid -> tail with every row computed equals the whole-step graph
-    bit for bit; the cached path fed this step's own residuals equals it to fp32 rounding."""
+    bit for bit, and so does head -> rest (the middle and the tail in one graph), whose residuals are the
+    middle's bit for bit; the cached path fed this step's own residuals equals it to fp32 rounding."""
     from qic.models.common import load_weights
     from qic.models.looped import stack_block_weights
     from qic.models.qwen_image.graphs import denoiser_graph, step_part_graph
@@ -126,6 +127,8 @@ def test_split_parts_are_the_whole_step():
                 text = [mask, o_txt, torch.zeros_like(r_txt)] if last else []
                 got = part("tail")(lat, o_img, torch.zeros_like(r_img), temb, *scalars[1:], *text)
                 assert torch.equal(got, want), (type(model).__name__, first, last)
+                rest = part("rest")(img, tx, temb, mask, lat, *scalars[1:])
+                assert torch.equal(rest[0], want) and torch.equal(rest[1], r_img) and torch.equal(rest[2], r_txt)
                 text = [mask, tx, r_txt] if last else []
                 cached = part("tail")(lat, img, r_img, temb, *scalars[1:], *text)
                 assert rel_l2(cached, want) <= mmdit_bound("tiny")
@@ -138,7 +141,11 @@ def test_split_parts_are_the_whole_step():
         img, tx, temb, *_ = head(lat, txt, mask, scalars[0], torch.ones(2, 15, config.inner_dim))
         tail = step_part_graph(ref, config, 8, *TINY_RES, 64, "float32", "tail", 1, 0).module
         skipped = tail(lat, img, torch.zeros_like(img), temb, *scalars[1:])
+        # and a rest that starts its middle a block late (the head's last block skipped) is far off too
+        late = step_part_graph(ref, config, 8, *TINY_RES, 64, "float32", "rest", 2, 0).module
+        late_out = late(img, tx, temb, mask, lat, *scalars[1:])[0]
     assert rel_l2(skipped, want) > 100 * mmdit_bound("tiny")
+    assert rel_l2(late_out, want) > 100 * mmdit_bound("tiny")
 
 
 # ------------------------------------------------------------------------------------------ FirstBlockCache
@@ -178,7 +185,8 @@ def test_threshold_zero_is_the_uncached_image_and_a_mask_replays_decisions(fbc_b
 
 def test_inspect_names_the_split_and_lists_its_graphs(fbc_bundle, bundle):
     """`qic inspect`'s step-caching line says the split the bundle was built with, and the graphs table holds the
-    four split graphs beside the whole step; a bundle built without --step-cache has neither."""
+    four split graphs (head, rest, mid@R1, tail) beside the whole step; a bundle built without --step-cache has
+    neither."""
     def inspect(path) -> tuple[str, set[str]]:   # (its text, the graphs table's first column), unwrapped
         out = qic("inspect", path, env={"COLUMNS": "300"}).stdout
         return out, {line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")}
@@ -186,9 +194,11 @@ def test_inspect_names_the_split_and_lists_its_graphs(fbc_bundle, bundle):
     out, graphs = inspect(fbc_bundle)
     assert "step caching: split graphs, first 1 and last 0 blocks always computed" in out, out
     step = "denoiser@{}x{}@L72".format(*TINY_RES)
-    assert {step, f"{step}@head", f"{step}@mid", f"{step}@mid@R1", f"{step}@tail"} <= graphs, graphs
+    assert {step, f"{step}@head", f"{step}@rest", f"{step}@mid@R1", f"{step}@tail"} <= graphs, graphs
+    assert f"{step}@mid" not in graphs, graphs   # the all-rows middle runs inside @rest
     plain, graphs = inspect(bundle)
-    assert "step caching" not in plain and not any("@head" in g or "@mid" in g or "@tail" in g for g in graphs)
+    assert "step caching" not in plain and not any(f"@{p}" in g for p in ("head", "rest", "mid", "tail")
+                                                   for g in graphs)
     assert graphs   # the table was read
 
 
@@ -294,20 +304,21 @@ def test_a_batch_of_two_through_qic_serve_decides_per_image(shapes_bundle_batch2
 def test_split_graphs_lower_and_run_on_xla_cpu(tp):
     """Each split graph of a 4-block denoiser lowered at TP=tp and run on tp XLA:CPU devices, against TP 1 eager on
     the same weights: the outputs that are not an input passed through (benchmarks/xla_lowering.py CHECKED: the
-    head's five, the middle's residuals, the tail's prediction), in rel-L2 and in max-abs over the output's largest
-    magnitude. Both are fp32 reorderings of the same sums (XLA's fusion and blocking, the TP split), so both are
-    held to the reordering bound of this model's sums (tests/helpers.py); a dropped text mask, or at TP 2 rank 0
-    holding rank 1's shard, moves them by a hundred times that."""
+    head's five, the middle's residuals, the tail's prediction, the rest's both), in rel-L2 and in max-abs over the
+    output's largest magnitude. Both are fp32 reorderings of the same sums (XLA's fusion and blocking, the TP
+    split), so both are held to the reordering bound of this model's sums (tests/helpers.py); a dropped text mask,
+    or at TP 2 rank 0 holding rank 1's shard, moves them by a hundred times that."""
     from tests.helpers import fp32_reorder_bound
     from tests.test_neuron_xla import xla
     proc = xla("-m", "benchmarks.xla_lowering", "step-cache", tp, env={"CPU_NUM_DEVICES": str(tp)})
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(result) == sorted(f"denoiser@48x80@L128@{p}" for p in ("head", "mid", "mid@R1", "tail"))
+    assert sorted(result) == sorted(f"denoiser@48x80@L128@{p}" for p in ("head", "rest", "mid@R1", "tail"))
     c = preset("tiny")["transformer"]
     bound = fp32_reorder_bound(4 * c["num_attention_heads"] * c["attention_head_dim"], 8 * 4 + 4)   # 4 blocks
     for name, r in result.items():
         print(name, {k: v for k, v in r.items() if k in ("cos", "checked")})
-        assert r["host_transfers"] == 0 and r["while"] == 1
+        # one loop a block range: the rest runs two (the middle's blocks, then the tail's)
+        assert r["host_transfers"] == 0 and r["while"] == (2 if name.endswith("@rest") else 1)
         assert len(r["checked"]) == tp
         for rank in r["checked"]:
             for output, e in rank.items():
@@ -318,9 +329,9 @@ def test_split_graphs_lower_and_run_on_xla_cpu(tp):
         if tp > 1:
             assert r["replica_groups"] == [json.dumps([list(range(tp))])]
             # Per block four all-reduces (both streams' attention and MLP outputs) over the 4-block model's
-            # split 1 | 2 | 1 (the loop body holds them once), plus the head's timestep embedder: the decision's
-            # means add none (the image stream is whole on every rank).
-            assert r["all_reduce"] == (5 if name.endswith("@head") else 4)
+            # split 1 | 2 | 1 (each loop body holds them once: the rest has two loops), plus the head's timestep
+            # embedder: the decision's means add none (the image stream is whole on every rank).
+            assert r["all_reduce"] == {"@head": 5, "@rest": 8}.get(name[name.rfind("@"):], 4)
         else:
             assert r["all_reduce"] == 0
 
@@ -392,7 +403,7 @@ def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_torch(fbc_bundle, 
     xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
             "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--step-cache", "1,0")
     graphs = json.loads((out / "manifest.json").read_text())["graphs"]
-    parts = [g for g in graphs if "@head" in g["name"] or "@mid" in g["name"] or "@tail" in g["name"]]
+    parts = [g for g in graphs if any(f"@{p}" in g["name"] for p in ("head", "rest", "mid", "tail"))]
     assert len(parts) == 4 and all(0 <= g["checks"]["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2 for g in parts), parts
     flags = ["--prompt", SHORT_PROMPT, "--steps", STEPS, "--cache-threshold", 1.2]
     xla_qic("run", out, "--device", "xla-cpu", *flags, "--output", tmp_path / "xla.png")

@@ -164,3 +164,23 @@ def test_an_idle_cfg_group_outwaits_the_collective_timeout(tiny_ckpt, one_device
     assert ranks[1][1]["idle"] > 2.0, ranks[1][1]["idle"]
     assert computed == one_device[1.0][0][1]
     _close(got, one_device[1.0][0][0])
+
+
+def test_a_bundle_with_the_earlier_three_call_split_is_refused_in_one_line():
+    """A step-cached bundle built before the rest graph (head, mid, tail) is refused before any graph runs, naming
+    what to do; the check asks the bundle, so it cannot pass a bundle that holds the rest graph."""
+    import torch
+
+    from qic.errors import QicError
+    from qic.runtime.step_cache import CachedStep
+
+    class EarlierBundle:   # FAKE: a Runnable that holds only the earlier split's graphs
+        def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None):
+            return part in ("head", "mid", "tail")
+
+        def graph(self, *args, **kw):
+            raise AssertionError("no graph may be asked for")
+
+    text, mask = torch.zeros(2, 8, 16), torch.ones(2, 8, dtype=torch.long)
+    with pytest.raises(QicError, match="an earlier qic's .* build it again"):
+        CachedStep(EarlierBundle(), (48, 80), 72, True, 1, text, mask, [], lambda i, d: [True, True], slice(0, 2))

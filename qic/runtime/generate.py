@@ -282,7 +282,7 @@ def share_of(bundle, res, bucket, n: int, cached: bool) -> list[tuple[int, int]]
     """CFG-parallel without CFG: the images [lo, hi) each CFG group denoises. Group 0 takes the first ceil(n/2),
     group 1 the rest, when the bundle has the no-CFG graphs of both sizes; else group 0 takes all of them."""
     halves = [(0, (n + 1) // 2), ((n + 1) // 2, n)]
-    parts = ("head", "mid", "tail") if cached else (None,)
+    parts = ("head", "rest", "tail") if cached else (None,)
     ok = n > 1 and all(bundle.has_graph("denoiser", res, bucket, cfg=False, batch=hi - lo, part=part)
                        for lo, hi in halves for part in parts)
     return halves if ok else [(0, n), (n, n)]

@@ -3,8 +3,8 @@
 - text_encoder@L:        ids [1, L], mask [1, L]                     -> hidden [1, L, D]
 - denoiser@HxW@L:        one whole denoise step, cond+uncond batched -> next latents [1, S, C]
 - vae_decoder@HxW:       packed latents [1, S, C]                    -> image [1, 3, H, W] in [-1, 1]
-- denoiser@HxW@L@head, @mid, @mid@R1, @tail: the step in three parts for step caching (build config
-  `step_cache`), inputs and outputs in step_part_graph below; the whole-step graph stays beside them.
+- denoiser@HxW@L@head, @rest, @mid@R1, @tail: the step in parts for step caching (build config `step_cache`),
+  inputs and outputs in step_part_graph below; the whole-step graph stays beside them.
 
 Editing (a build with condition sizes, `--condition-size HxW`: the Edit Plus models), the images forms:
 - vision@HxW (condition size, VAE side): pixels [3, gh*p, gw*p], the normalised image at the vision grid the
@@ -42,7 +42,7 @@ from qic.host.prompt import DROP_TOKENS, EDIT_DROP_TOKENS, MAX_PROMPT_TOKENS
 from qic.models.common import patchify
 from qic.models.qwen_image.mmdit import rope_tables
 from qic.models.qwen_image.step import DenoiseStep
-from qic.models.qwen_image.step_cache import StepHead, StepMiddle, StepTail
+from qic.models.qwen_image.step_cache import StepHead, StepMiddle, StepRest, StepTail
 from qic.models.qwen_image.ulysses import padded, ulysses_shard
 from qic.models.qwen_image.vae_decoder import QwenVAEDecoder
 from qic.models.qwen_image.vae_encoder import QwenVAEEncoder
@@ -136,6 +136,8 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
             -> img, txt, img_residual, txt_residual
     - tail: latents, img_base [R, S, D], img_residual, temb, sigma, sigma_next, [guidance],
             [text_mask, txt_base, txt_residual when last > 0] -> latents
+    - rest: img, txt, temb, text_mask as mid's (r = R), latents, sigma, sigma_next, [guidance]
+            -> latents, img_residual, txt_residual (mid then tail, for a step whose rows all compute)
     A layout (qic/models/qwen_image/step_cache.py): under CFG-parallel R is one branch's rows (the head still
     takes every text row, and cfg_rank); under Ulysses S and L are this rank's chunks of the padded streams (the
     text mask stays whole), and every part takes sp_rank. Both rank inputs last, filled by the runtime.
@@ -176,6 +178,13 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
         inputs = [("img", act(n_rows, local_tokens, dim)), ("txt", act(n_rows, local_text, dim)),
                   ("temb", act(n_rows, dim)), text_mask]
         outputs = ["img", "txt", "img_residual", "txt_residual"]
+        text_inputs = ("txt", "text_mask")
+    elif part == "rest":
+        module = StepRest(mmdit, first, last, cfg, cfg_gather=cfg_gather(layout), **ranked)
+        inputs = [("img", act(n_rows, local_tokens, dim)), ("txt", act(n_rows, local_text, dim)),
+                  ("temb", act(n_rows, dim)), text_mask, ("latents", act(batch, tokens, config.in_channels)),
+                  ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))] + guidance
+        outputs = ["latents", "img_residual", "txt_residual"]
         text_inputs = ("txt", "text_mask")
     elif part == "tail":
         module = StepTail(mmdit, last, cfg, cfg_gather=cfg_gather(layout), **ranked)

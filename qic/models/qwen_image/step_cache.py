@@ -1,4 +1,4 @@
-"""One denoise step split in three graphs, so that the host can skip the middle blocks (step caching).
+"""One denoise step split in parts, so that the host can skip the middle blocks (step caching).
 
 diffusers' FirstBlockCache and cache-dit's DBCache decide per step, from the residual of the first Fn
 blocks, whether the middle blocks would change much; if not, the middle's residual stored at the last step
@@ -9,11 +9,16 @@ that computed it stands in for them. A whole-step graph cannot skip anything, so
          decision's figure per row: the mean |r - r_prev| / mean |r_prev| of the image stream's residual
          r = (output of block Fn-1) - (input of block 0), against the r_prev the host passes (the residual
          of the row's last computed step).  -> img, txt, temb, residual, diff [rows] fp32
-- mid:   blocks Fn..L-Bn-1 over the rows that compute (all of them, or one row: graph "@mid@R1").
+- mid:   blocks Fn..L-Bn-1 over one row that computes while others cache (graph "@mid@R1"; over all rows it
+         runs inside `rest`).
          -> img, txt after them, and their residuals (output - input) per stream, to store
 - tail:  blocks L-Bn..L-1, the output norm and projection, true CFG and the Euler update, on
          img = base + residual (and txt alike): a computed row passes (mid output, zeros), which is exact;
          a cached row (head output, its stored residual), as both references add it.
+- rest:  mid and tail in one graph, for a step whose rows all compute (the tail's input is then the middle's
+         output as it is), -> the next latents and the middle's residuals: a step is two graph calls whether it
+         computes (head, rest) or caches (head, tail); only a step where some rows compute and others cache
+         (CFG's branches deciding apart) runs the one-row middle per computing row between them.
 
 With looped layers each part is a range of the one scanned block over views of the same stacked weights, so
 the split adds graphs, not weight bytes. Every row's arithmetic is independent of the other rows (the
@@ -50,7 +55,7 @@ def relative_l1(residual: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
 
 
 class _Part(nn.Module):
-    """What the three parts share: the denoiser, and under Ulysses the token chunking of the image's `tokens`."""
+    """What the parts share: the denoiser, and under Ulysses the token chunking of the image's `tokens`."""
 
     def __init__(self, mmdit: QwenMMDiT, shard: UlyssesShard | None = None, tokens: int = 0):
         super().__init__()
@@ -115,14 +120,39 @@ class StepTail(_Part):
     def forward(self, latents, img_base, img_residual, temb, sigma, sigma_next, guidance=None, text_mask=None,
                 txt_base=None, txt_residual=None, rope_cos=None, rope_sin=None, sp_rank=None):
         img = img_base + img_residual
+        tables = None
         if self.last:
-            txt = txt_base + txt_residual
-            mask, cos, sin = self.mask_and_tables(text_mask, img, rope_cos, rope_sin, sp_rank)
+            tables = self.mask_and_tables(text_mask, img, rope_cos, rope_sin, sp_rank)
+        return self.finish(latents, img, txt_base + txt_residual if self.last else None, temb, sigma, sigma_next,
+                           guidance, tables)
+
+    def finish(self, latents, img, txt, temb, sigma, sigma_next, guidance, tables):
+        """The last blocks (over `tables`: the key mask and RoPE tables), the output, CFG and the Euler update."""
+        if self.last:
             start = self.mmdit.config.num_layers - self.last
-            img, _ = self.mmdit.blocks(img, txt, temb, mask, cos, sin, start, None)
+            img, _ = self.mmdit.blocks(img, txt, temb, *tables, start, None)
         pred = self.mmdit.output(img, temb)
         if self.shard is not None:
             pred = self.shard.unsplit(pred, self.tokens)
         if self.cfg_parallel:
             pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)
+
+
+class StepRest(StepTail):
+    """The middle and the tail in one graph, for a step whose rows all compute: with the head, two calls a step
+    whether it computes or caches (a cached step is head and tail). The middle's output goes to the last blocks as
+    it is (the tail's (mid output, 0) of a computed row, without the zeros); its residuals come back to store."""
+
+    def __init__(self, mmdit: QwenMMDiT, first: int, last: int, cfg: bool = True, cfg_gather=None,
+                 shard: UlyssesShard | None = None, tokens: int = 0):
+        super().__init__(mmdit, last, cfg, cfg_gather, shard, tokens)
+        self.first = first
+
+    def forward(self, img, txt, temb, text_mask, latents, sigma, sigma_next, guidance=None, rope_cos=None,
+                rope_sin=None, sp_rank=None):
+        tables = self.mask_and_tables(text_mask, img, rope_cos, rope_sin, sp_rank)
+        stop = self.mmdit.config.num_layers - self.last
+        out_img, out_txt = self.mmdit.blocks(img, txt, temb, *tables, self.first, stop)
+        new_latents = self.finish(latents, out_img, out_txt, temb, sigma, sigma_next, guidance, tables)
+        return new_latents, out_img - img, out_txt - txt
