@@ -63,8 +63,9 @@ class EagerModel:
         self.buckets = list(buckets)
         # The host fields a bundle of these resolutions and buckets records, from the family's own hook (what its
         # host program reads: qic.runtime.programs), so one stand-in serves every family's program.
-        spec = parse_spec({"model": str(self.ckpt.root), "resolutions": [f"{h}x{w}" for h, w in self.resolutions],
-                           "text_buckets": self.buckets, "dtype": dtype})
+        given = {"model": str(self.ckpt.root), "resolutions": [f"{h}x{w}" for h, w in self.resolutions],
+                 "text_buckets": self.buckets, "dtype": dtype}
+        spec = parse_spec(given)
         self.manifest = self._host_fields(spec, fam)
         self.scheduler = self.manifest.get("scheduler")
         self.prompt = self.manifest.get("prompt")
@@ -94,6 +95,12 @@ class EagerModel:
         # The parts of each component's graphs a build of these keys holds besides step caching's (None: the whole
         # graph; Qwen-Image-2.1's denoiser has only its prefill and decode)
         self._parts = {name: {shape.get("part") for shape in comp.graph_shapes(spec)} for name, comp in built.items()}
+        # step caching's split graphs, (part, rows), as the family's components plan them for a bundle
+        self._split = set()
+        if step_cache:
+            split = parse_spec(given | {"step_cache": list(step_cache)})
+            shapes = family.component("denoiser").graph_shapes(split)
+            self._split = {(shape["part"], shape.get("rows")) for shape in shapes if "first" in shape}
         self._graphs = {}
         self.defaults = {}
         self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
@@ -112,16 +119,20 @@ class EagerModel:
     def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
                   part: str | None = None) -> bool:
         """As a bundle of these resolutions, buckets, CFG modes, batch sizes and step_cache answers."""
+        return self._holds(component, resolution, bucket, cfg, batch, part, None)
+
+    def _holds(self, component, resolution, bucket, cfg, batch, part, rows) -> bool:
+        """has_graph, with the rows of step caching's split graphs over fewer rows (@R<rows>)."""
         return ((resolution is None or tuple(resolution) in self.resolutions)
                 and (bucket is None or bucket in self.buckets)
                 and (component != "denoiser" or cfg in self.cfg_modes)
                 and (self.batch_sizes is None or batch in self.batch_sizes)
-                and (part in self._parts.get(component, {None})
-                     or (part is not None and component == "denoiser" and self.step_cache is not None)))
+                and ((part in self._parts.get(component, {None}) and rows is None)
+                     or (component == "denoiser" and (part, rows) in self._split)))
 
     def graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
               part: str | None = None, rows: int | None = None) -> _Eager:
-        if not self.has_graph(component, resolution, bucket, cfg, batch, part):   # as a bundle refuses it
+        if not self._holds(component, resolution, bucket, cfg, batch, part, rows):   # as a bundle refuses it
             name = graph_name(component, resolution, bucket, cfg, batch, part, rows)
             raise BundleError(f"eager model: no graph {name} (it holds resolutions {self.resolutions}, buckets "
                               f"{self.buckets}, cfg {list(self.cfg_modes)}, batch sizes "
