@@ -38,10 +38,10 @@ PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch", "torch.distribute
 # Environment variables read while those modules import (or at interpreter start): a zygote serves runs whose
 # values of these are its own (inductor's config reads TORCHINDUCTOR_*, AOT_INDUCTOR_* and CXX at import; torch_xla
 # reads PJRT_*, XLA_* and the Neuron runtime's NEURON_*).
-# The file each run's cost is appended to (tests/tiers.py sets it per pytest process and sums it at the end).
-RUN_LOG = "QIC_TEST_RUNLOG"
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_", "GOMP_", "AOT_INDUCTOR", "AOTINDUCTOR",
                    "INDUCTOR_", "PT2_", "CXX", "CC", "PJRT_", "XLA_", "NEURON")
+# The file each run's cost is appended to (tests/tiers.py sets it for the whole run and sums it at the end).
+RUN_LOG = "QIC_TEST_RUNLOG"
 
 
 def _run(request: dict) -> None:
