@@ -131,12 +131,16 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "qic.cli", "serve", str(self.bundle), "--port", "0",
                                       "--queue", str(self.queue)], stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.port = int(self.proc.stdout.readline().rsplit(":", 1)[1])
-        while True:
+        while True:   # /health is 503 while the server warms up (after the address line), 200 once ready
             try:
                 if request(self.port, "GET", "/health")[0] == 200:
                     break
             except OSError:
-                time.sleep(0.05)
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"qic serve exited with {self.proc.returncode} before it was ready: "
+                                 f"{self.log_path.read_text()[-2000:]}")
+            time.sleep(0.05)
         self.start_s = time.perf_counter() - t
         return self
 

@@ -76,6 +76,21 @@ class FakeRunner:
         return [f"seed {r.seed}".encode() for r in reqs]
 
 
+def scrape(port: int) -> dict:
+    """GET /metrics, parsed by prometheus-client's own parser: {(sample name, sorted label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain"), resp.status
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def until(condition, deadline: float, what: str) -> None:
     """Poll `condition` every 20 ms; fail with `what` once time.monotonic() passes `deadline`."""
     while not condition():
@@ -86,14 +101,14 @@ def until(condition, deadline: float, what: str) -> None:
 class ThreadServer:
     """The app on uvicorn in a thread of this process, on a free loopback port."""
 
-    def __init__(self, runner, on_fail=None, **settings):
+    def __init__(self, runner, on_fail=None, warm_up=None, **settings):
         import uvicorn
 
         from qic.serve.app import Settings, create_app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.app = create_app(runner, Settings(**settings), on_fail=on_fail)
+        self.app = create_app(runner, Settings(**settings), on_fail=on_fail, warm_up=warm_up)
         config = uvicorn.Config(self.app, access_log=False, log_config=None)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -223,6 +238,115 @@ def test_fake_runner_fail_answers_503_to_health_and_every_waiting_request():
         assert request(srv.port, "POST", "/v1/images/generations", {"prompt": "x"})[0] == 503
         runner.gate.set()
     assert [str(e) for e in failed] == ["rank 1 has exited"]
+
+
+class TimedFakeRunner(FakeRunner):
+    """FakeRunner whose batches go through two graphs of a stand-in bundle, timed by the server's StageClock as a
+    real bundle's are: "text_encoder" once a batch (10 ms) and "denoiser" once an image (20 ms each)."""
+
+    def __init__(self, **kw):
+        from qic.runtime.bundle import Graph
+        from qic.serve.metrics import StageClock
+        super().__init__(**kw)
+
+        def sleeps(seconds):
+            return lambda tensors: time.sleep(seconds) or []
+        self.bundle = type("StandIn", (), {})()
+        self.bundle.graphs = {("text_encoder", "t"): Graph("t", sleeps(0.01), []),
+                              ("denoiser", "d"): Graph("d", sleeps(0.02), [])}
+        self.stage_clock = StageClock(self.bundle)
+
+    def run(self, reqs):
+        self.bundle.graphs["text_encoder", "t"]()
+        for _ in reqs:
+            self.bundle.graphs["denoiser", "d"]()
+        return super().run(reqs)
+
+
+def test_fake_runner_metrics_count_requests_images_batches_stages_and_the_queue():
+    """GET /metrics (Prometheus text, read back with prometheus-client's parser): requests by path and status
+    (an unknown path counted as "other"), images, batch sizes, seconds by stage as the graphs ran them, and the
+    queue depth while a request waits."""
+    runner = TimedFakeRunner(batch_sizes=(1, 2))
+    with ThreadServer(runner, max_batch=2) as srv, ThreadPoolExecutor(2) as pool:
+        assert request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "n": 2})[0] == 200   # a batch of 2
+        assert request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 5})[0] == 200  # and of 1
+        assert request(srv.port, "POST", "/v1/images/generations", {"prompt": "x", "steps": "2"})[0] == 400
+        assert request(srv.port, "GET", "/no/such/path")[0] == 404
+        runner.gate.clear()
+        runner.started.clear()
+        running = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 7})
+        assert runner.started.wait(10)
+        queued = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 8})
+        until(lambda: len(srv.app.state.scheduler.pending) == 1, time.monotonic() + 10, "not queued")
+        m = scrape(srv.port)
+        assert m["qic_queue_depth", ()] == 1 and m["qic_images_running", ()] == 1, m
+        runner.gate.set()
+        assert running.result(10)[0] == queued.result(10)[0] == 200
+        m = scrape(srv.port)
+    gens = "/v1/images/generations"
+    assert m["qic_requests_total", (("path", gens), ("status", "200"))] == 4
+    assert m["qic_requests_total", (("path", gens), ("status", "400"))] == 1
+    assert m["qic_requests_total", (("path", "other"), ("status", "404"))] == 1
+    assert m["qic_requests_total", (("path", "/metrics"), ("status", "200"))] == 1   # the first scrape
+    assert m["qic_images_total", (("outcome", "ok"),)] == 5 and m["qic_images_total", (("outcome", "error"),)] == 0
+    assert m["qic_batch_size_count", ()] == 4 and m["qic_batch_size_sum", ()] == 5     # batches of 2, 1, 1, 1
+    assert m["qic_batch_size_bucket", (("le", "1.0"),)] == 3
+    for stage, calls, each in (("text_encoder", 4, 0.01), ("denoiser", 5, 0.02)):
+        assert m["qic_stage_seconds_count", (("stage", stage),)] == 4, m   # one observation a batch
+        assert m["qic_stage_seconds_sum", (("stage", stage),)] >= calls * each, (stage, m)
+    assert m["qic_batch_seconds_sum", ()] >= 4 * 0.01 + 5 * 0.02
+    assert m["process_resident_memory_bytes", ()] > 2**20
+
+
+def test_fake_runner_health_is_live_at_once_and_ready_once_warmed_then_neither_after_a_failure():
+    """qic serve opens its port before the warm-up: /health/live answers 200 from the start, /health and
+    /health/ready 503 "warming" until the warm-up has run, and a request sent meanwhile waits in the queue (not
+    running) and is made after it; after app.state.fail, all three answer 503."""
+    warming = threading.Event()
+    runner = FakeRunner()
+    with ThreadServer(runner, warm_up=lambda: warming.wait(30)) as srv, ThreadPoolExecutor(1) as pool:
+        status, _, body = request(srv.port, "GET", "/health/live")
+        assert status == 200 and body["live"] and not body["ready"], body
+        for path in ("/health", "/health/ready"):
+            status, _, body = request(srv.port, "GET", path)
+            assert status == 503 and body["status"] == "warming" and not body["ready"], body
+        early = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x", "seed": 4})
+        until(lambda: len(srv.app.state.scheduler.pending) == 1, time.monotonic() + 10, "not queued")
+        assert srv.app.state.scheduler.running == 0 and runner.batches == []
+        warming.set()
+        assert early.result(10)[0] == 200 and runner.batches == [[4]]
+        for path in ("/health", "/health/ready", "/health/live"):
+            status, _, body = request(srv.port, "GET", path)
+            assert status == 200 and body["status"] == "ok" and body["ready"] and body["live"], (path, body)
+        srv.app.state.fail("rank 1 has exited")
+        for path in ("/health", "/health/ready", "/health/live"):
+            deadline = time.monotonic() + 10
+            while (reply := request(srv.port, "GET", path))[0] != 503:   # the failure lands on the event loop
+                assert time.monotonic() < deadline, (path, reply)
+                time.sleep(0.02)
+            assert reply[2]["status"] == "unavailable" and not reply[2]["live"], reply
+
+
+def test_fake_runner_a_failed_warm_up_fails_the_waiting_request_and_runs_nothing():
+    """A warm-up that raises (a graph that cannot run) leaves the server unavailable: the request waiting for it
+    gets 503 naming the failure, /health 503, and no batch runs (at tp > 1 one would pair its collectives with
+    nothing)."""
+    warming = threading.Event()
+
+    def broken():
+        warming.wait(30)
+        raise RuntimeError("graph text_encoder@L128 could not run")
+    runner, failed = FakeRunner(), []
+    with ThreadServer(runner, on_fail=failed.append, warm_up=broken) as srv, ThreadPoolExecutor(1) as pool:
+        early = pool.submit(request, srv.port, "POST", "/v1/images/generations", {"prompt": "x"})
+        until(lambda: len(srv.app.state.scheduler.pending) == 1, time.monotonic() + 10, "not queued")
+        warming.set()
+        status, _, body = early.result(10)
+        assert status == 503 and "warming up failed: RuntimeError: graph text_encoder" in body["error"]["message"]
+        status, _, health = request(srv.port, "GET", "/health")
+        assert status == 503 and "warming up failed" in health["reason"], health
+    assert runner.batches == [] and [str(e) for e in failed] == [health["reason"]]
 
 
 # ------------------------------------------------------------------------ the real bundle, served
@@ -422,6 +546,15 @@ def test_health_models_and_access_log(server):
     assert logged, records
     assert all(r["total_s"] >= r["run_s"] > 0 and r["queue_s"] >= 0 for r in images)
     assert [r["status"] for r in records if r["path"] == "/v1/nothing"][-1] == 404
+    # /metrics of the real bundle: the image's stages are the components of the graphs it ran, timed.
+    m = scrape(server.port)
+    for stage in ("text_encoder", "denoiser", "vae_decoder"):
+        assert m["qic_stage_seconds_count", (("stage", stage),)] >= 1 and \
+            m["qic_stage_seconds_sum", (("stage", stage),)] > 0, (stage, m)
+    assert m["qic_images_total", (("outcome", "ok"),)] >= 1 and m["process_resident_memory_bytes", ()] > 2**20
+    for path in ("/health/live", "/health/ready"):
+        status, _, body = request(server.port, "GET", path)
+        assert status == 200 and body["live"] and body["ready"], (path, body)
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle, tmp_path):
@@ -618,8 +751,8 @@ def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):
     monkeypatch.setattr(runner_mod, "Bundle", bundle_on)
     monkeypatch.setattr(runner_mod, "warm", warm_on)
     compute = compute_thread()
-    b, loaded, warmed = runner_mod.load_and_warm(bundle, 0, 1, compute)
-    assert loaded > 0 and warmed > 0
+    b, loaded = runner_mod.load(bundle, 0, 1, compute)   # as serve_rank loads; it warms through Scheduler.start
+    assert loaded > 0
     runner = runner_mod.BundleRunner(b, None, executor=compute)
     real_run = runner.run
 
@@ -632,7 +765,7 @@ def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):
     req = Request("a red bicycle", steps=STEPS)
 
     async def one_image():
-        scheduler.start()
+        scheduler.start(lambda: runner_mod.warm(b))
         try:
             (job,) = scheduler.submit([(req, runner.plan(req))])
             return await job.future
@@ -642,3 +775,4 @@ def test_load_warm_up_and_every_batch_run_on_one_thread(bundle, monkeypatch):
     png = asyncio.run(one_image())
     assert png.startswith(b"\x89PNG")
     assert seen["load"] == seen["warm"] == seen["run"] != threading.get_ident(), seen
+    assert scheduler.ready

@@ -1,4 +1,5 @@
-"""`qic serve BUNDLE`: check, load once, bind, then serve until SIGTERM or Ctrl-C drains it.
+"""`qic serve BUNDLE`: check, bind, load once, then serve (ready once every graph has run: /health) until SIGTERM
+or Ctrl-C drains it.
 
 At tp=N, N ranks are spawned on loopback as `qic run --tp N` does; rank 0 serves HTTP and the others
 run what it sends them. The parent forwards SIGTERM to the ranks: rank 0 drains, then releases the
@@ -14,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from qic.errors import ConfigError, QicError
@@ -64,7 +66,7 @@ def _forward_to_ranks(sig, frame) -> None:
 
 
 def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, settings,
-               load: dict | None = None) -> None:
+               load_options: dict | None = None) -> None:
     if rank > 0:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -73,15 +75,11 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
         sock = _bind(host, port)
 
     from qic.serve.queue import compute_thread
-    from qic.serve.runner import BundleRunner, control_group, follow, load_and_warm
+    from qic.serve.runner import BundleRunner, control_group, follow, load, load_and_warm, warm
 
-    # Rank 0 answers HTTP on this thread, so its torch work all goes to one other thread (compute_thread
-    # says why); the other ranks have nothing else to do and run it here.
-    compute = compute_thread() if rank == 0 else None
-    bundle, loaded, warmed = load_and_warm(bundle_path, rank, world, compute, **(load or {}))
-    group = control_group(world)
-    if rank > 0:
-        follow(bundle, group)
+    if rank > 0:   # nothing else to do here: load, warm with the others, then follow rank 0
+        bundle = load_and_warm(bundle_path, rank, world, **(load_options or {}))
+        follow(bundle, control_group(world))
         return
 
     import uvicorn
@@ -90,16 +88,31 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
 
     _log_to_stderr()
     log = logging.getLogger("qic.serve")
-    runner = BundleRunner(bundle, group, executor=compute)
-    log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s, "
-             f"warmed every graph in {warmed:.2f} s; batch sizes {list(runner.batch_sizes)} "
-             f"(up to --max-batch {settings.max_batch})")
+    # Rank 0 answers HTTP on this thread, so its torch work all goes to one other thread (compute_thread says why).
+    # The bundle is loaded (verified: a refusal is one line and no port is served) before the port opens; the
+    # warm-up and the control group follow on that thread once the server has started, ahead of any batch (a
+    # failure stops the server as a dead rank does), and /health says ready once they are done.
+    compute = compute_thread()
+    bundle, loaded = load(bundle_path, rank, world, compute, **(load_options or {}))
+    runner = BundleRunner(bundle, None, executor=compute)
+    log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s; batch sizes "
+             f"{list(runner.batch_sizes)} (up to --max-batch {settings.max_batch})")
+
+    def warm_up() -> None:   # on the compute thread, ahead of any batch (Scheduler.start)
+        t = time.perf_counter()
+        try:
+            warm(bundle)
+            runner.group = control_group(world)   # every rank makes it after its warm-up, in the same order
+        except Exception:
+            log.exception("warming up failed")
+            raise
+        log.info(f"warmed every graph in {time.perf_counter() - t:.2f} s: ready")
 
     def stop(error):   # the runner can make no more images: stop serving; the exit status says so
         log.error(f"unavailable: {error}; stopping")
         server.should_exit = True
 
-    app = create_app(runner, settings, on_fail=stop)
+    app = create_app(runner, settings, on_fail=stop, warm_up=warm_up)
     # In-flight and queued requests get the request timeout to finish after SIGTERM, then are cut.
     config = uvicorn.Config(app, access_log=False, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=int(settings.timeout) + 5)

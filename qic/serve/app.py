@@ -13,13 +13,14 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException
 
 from qic.errors import QicError
 from qic.host.options import HTTP, given_at, untaken
 from qic.runtime.png import step_cache_of
+from qic.serve.metrics import Metrics
 from qic.serve.queue import QueueFull, Scheduler, Unavailable
 from qic.serve.settings import Settings
 
@@ -84,23 +85,38 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
-def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI:
+def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=None) -> FastAPI:
     """runner: .program (the bundle's host program: its Request), .plan(request) -> batch key (raises QicError),
     .run(list) -> list of PNG bytes, .model_id, .created, .sizes ({"WxH": (h, w)}), .batch_sizes; optionally
-    .executor, the thread to run on.
+    .executor, the thread to run on, and .stage_clock (qic.serve.metrics.StageClock: /metrics' seconds by stage).
+    warm_up: called on the runner's thread before any batch, once the server has started (qic serve's: every graph
+    once, and at tp > 1 the control group); until it returns /health and /health/ready answer 503 "warming" and
+    image requests wait in the queue; if it raises, the runner is gone for good (below). /health/live answers 200
+    unless the runner is gone.
 
     The runner is gone for good when its run raises queue.Unavailable or app.state.fail(reason) is called
     (from any thread or a signal handler): /health answers 503 and every queued, running and later image
     request 503 with the reason; then on_fail(error) is called on the event loop (the server stops)."""
-    scheduler = Scheduler(runner.run, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch],
+    clock = getattr(runner, "stage_clock", None)
+
+    def run_batch(items: list) -> list:   # on the runner's thread: one batch, and what it cost
+        if clock is not None:
+            clock.take()   # drop what ran outside a batch (the warm-up)
+        t = time.perf_counter()
+        out = runner.run(items)
+        metrics.batch(len(items), time.perf_counter() - t, clock.take() if clock is not None else {})
+        return out
+
+    scheduler = Scheduler(run_batch, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch],
                           getattr(runner, "executor", None), on_fail)
+    metrics = Metrics(scheduler, scheduler.batch_sizes)
     loop: asyncio.AbstractEventLoop | None = None
 
     @asynccontextmanager
     async def lifespan(app):
         nonlocal loop
         loop = asyncio.get_running_loop()
-        scheduler.start()
+        scheduler.start(warm_up)
         yield
         await scheduler.stop()
 
@@ -113,8 +129,9 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI
 
     app = FastAPI(title="qic serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
+    app.state.metrics = metrics
     app.state.fail = fail
-    app.add_middleware(AccessLog)
+    app.add_middleware(AccessLog, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -133,13 +150,33 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI
     async def _http(request, e: HTTPException):
         return error_response(ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
 
-    @app.get("/health")
-    async def health():
-        body = {"status": "ok", "model": runner.model_id, "queued": len(scheduler.pending),
-                "running": scheduler.running}
+    def health_body() -> tuple[int, dict]:
+        body = {"status": "ok", "live": True, "ready": True, "model": runner.model_id,
+                "queued": len(scheduler.pending), "running": scheduler.running}
         if scheduler.failed is not None:   # a supervisor's probe: take this instance out and restart it
-            return JSONResponse({**body, "status": "unavailable", "reason": str(scheduler.failed)}, status_code=503)
-        return body
+            return 503, {**body, "status": "unavailable", "live": False, "ready": False,
+                         "reason": str(scheduler.failed)}
+        if not scheduler.ready:   # up, but not every graph has run yet
+            return 503, {**body, "status": "warming", "ready": False}
+        return 200, body
+
+    @app.get("/health")
+    @app.get("/health/ready")
+    async def health():
+        """Ready: every graph has run once and the runner can make images (a load balancer's check)."""
+        status, body = health_body()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health/live")
+    async def live():
+        """Live: the server answers and its runner has not failed for good (a failed one only stops)."""
+        status, body = health_body()
+        return JSONResponse(body, status_code=503 if not body["live"] else 200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -194,10 +231,13 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None) -> FastAPI
             pngs = [f.result() for f in (j.future for j in jobs)]
         except Unavailable as e:
             log["error"] = str(e)
+            metrics.images.labels("error").inc(len(jobs))
             raise _unavailable(e) from None
         except Exception as e:
             log["error"] = f"{type(e).__name__}: {e}"
+            metrics.images.labels("error").inc(len(jobs))
             raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type_="server_error") from None
+        metrics.images.labels("ok").inc(len(pngs))
         log["run_s"] = round(time.perf_counter() - min(started), 4)
         cached = [step_cache_of(p) for p in pngs]
         if any(cached):
@@ -214,10 +254,12 @@ def _unavailable(e: Unavailable) -> ApiError:
 
 class AccessLog:
     """One JSON line per request: method, path, status, timings, and what the route added to
-    request.state.log (images, queue and run seconds, batch size, why it was refused)."""
+    request.state.log (images, queue and run seconds, batch size, why it was refused); and the request counted in
+    /metrics."""
 
-    def __init__(self, app):
+    def __init__(self, app, metrics: Metrics | None = None):
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -241,6 +283,8 @@ class AccessLog:
                       "client": client[0] if client else None, "total_s": round(time.perf_counter() - t, 4),
                       **extra}
             access_log.info(json.dumps(record))
+            if self.metrics is not None:
+                self.metrics.request(scope["path"], status)
 
 
 async def _edit_form(form) -> tuple[EditRequest, list, object]:

@@ -83,6 +83,7 @@ class Scheduler:
         self.pending: list[Job] = []
         self.current: list[Job] = []      # the batch now executing
         self.failed: Exception | None = None   # set by fail(): no job will run again
+        self.ready = False                # set once start()'s warm-up has run: batches may run
         self.job_seconds = 1.0            # running mean of run time per job, for Retry-After
         self._wake = asyncio.Event()
         self._executor = executor or compute_thread()
@@ -130,8 +131,11 @@ class Scheduler:
         if self.on_fail:
             self.on_fail(error)
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._work())
+    def start(self, warm_up: Callable[[], None] | None = None) -> None:
+        """Start taking batches, on the event loop. warm_up: run first on the executor (qic serve's: every graph once,
+        and at tp > 1 the control group); until it returns, requests wait in the queue (cancellable, and their queue
+        time counted as such) and `ready` is False; if it raises, fail() with the reason and run nothing."""
+        self._task = asyncio.get_running_loop().create_task(self._work(warm_up))
 
     async def stop(self) -> None:
         """Called after the HTTP server has drained: nothing is waiting on the jobs any more."""
@@ -145,8 +149,15 @@ class Scheduler:
                 pass
         self._executor.shutdown(wait=True)
 
-    async def _work(self) -> None:
+    async def _work(self, warm_up: Callable[[], None] | None) -> None:
         loop = asyncio.get_running_loop()
+        if warm_up is not None:
+            try:
+                await loop.run_in_executor(self._executor, warm_up)
+            except Exception as e:
+                self.fail(Unavailable(f"warming up failed: {type(e).__name__}: {e}"))
+                return
+        self.ready = True
         while True:
             if not self.pending:
                 self._wake.clear()

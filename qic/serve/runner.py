@@ -18,6 +18,7 @@ import torch
 from qic.runtime.bundle import Bundle
 from qic.runtime.png import png_bytes
 from qic.runtime.programs import program_of, run_batch
+from qic.serve.metrics import StageClock
 from qic.serve.queue import Unavailable
 
 
@@ -35,26 +36,30 @@ CONTROL_TIMEOUT = datetime.timedelta(days=30)
 
 
 def warm(bundle: Bundle) -> None:
-    """Run every graph once on placeholder inputs before the port opens, so that no request pays for
-    first touches (memory-mapped weight pages, kernel and allocator set-up). The outputs are dropped.
-    At tp>1 every rank calls it, in manifest order, so the graphs' all-reduces pair up."""
+    """Run every graph once on placeholder inputs before the server says it is ready (rank 0 runs it on its
+    compute thread once the port is open, ahead of any request's batch), so that no request pays for first touches
+    (memory-mapped weight pages, kernel and allocator set-up). The outputs are dropped. At tp>1 every rank calls
+    it, in manifest order, so the graphs' all-reduces pair up."""
     for graph in bundle.graphs.values():
         # Token ids and masks of ones (a real token, attended), zeros elsewhere: finite everywhere.
         graph(*(torch.ones(spec["shape"], dtype=torch.long) if spec["dtype"] == "int64" else
                 torch.zeros(spec["shape"]) for spec in graph.inputs))
 
 
-def load_and_warm(path, rank: int, world: int, compute: ThreadPoolExecutor | None,
-                  **load) -> tuple[Bundle, float, float]:
-    """The bundle loaded and warmed on `compute` (None: on this thread), and the seconds each took. `load`:
+def load(path, rank: int, world: int, compute: ThreadPoolExecutor | None, **load) -> tuple[Bundle, float]:
+    """The bundle loaded (verified first) on `compute` (None: on this thread), and the seconds it took. `load`:
     Bundle's device, weights_from and verify_all, as `qic run` passes them."""
-    def on_compute(fn, *args, **kwargs):
-        return compute.submit(fn, *args, **kwargs).result() if compute else fn(*args, **kwargs)
     t = time.perf_counter()
-    bundle = on_compute(Bundle, path, rank=rank, world=world, **load)
-    loaded = time.perf_counter() - t
-    on_compute(warm, bundle)
-    return bundle, loaded, time.perf_counter() - t - loaded
+    bundle = compute.submit(Bundle, path, rank=rank, world=world, **load).result() if compute else \
+        Bundle(path, rank=rank, world=world, **load)
+    return bundle, time.perf_counter() - t
+
+
+def load_and_warm(path, rank: int, world: int, **options) -> Bundle:
+    """load() and warm() on this thread (a serving rank above 0: it has nothing else to do)."""
+    bundle, _ = load(path, rank, world, None, **options)
+    warm(bundle)
+    return bundle
 
 
 def control_group(world: int):
@@ -89,6 +94,7 @@ class BundleRunner:
         self.batch_sizes = manifest_batch_sizes(bundle.manifest)   # all run: the program's batches take any
         # OpenAI sizes are WIDTHxHEIGHT; the bundle lists (height, width).
         self.sizes = {f"{w}x{h}": (h, w) for h, w in bundle.resolutions}
+        self.stage_clock = StageClock(bundle)   # seconds per component's graphs, for /metrics
 
     def plan(self, req) -> tuple:
         """Check a request against the bundle (ConfigError if it cannot run) and return its batch key:
