@@ -79,14 +79,8 @@ class FakeRunner:
 def scrape(port: int) -> dict:
     """GET /metrics, parsed by prometheus-client's own parser: {(sample name, sorted label items): value}."""
     from prometheus_client.parser import text_string_to_metric_families
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain"), resp.status
-        text = resp.read().decode()
-    finally:
-        conn.close()
+    status, headers, text = request(port, "GET", "/metrics", timeout=30)
+    assert status == 200 and headers["content-type"].startswith("text/plain"), (status, headers)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -170,8 +170,8 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
     @app.get("/health/live")
     async def live():
         """Live: the server answers and its runner has not failed for good (a failed one only stops)."""
-        status, body = health_body()
-        return JSONResponse(body, status_code=503 if not body["live"] else 200)
+        _, body = health_body()
+        return JSONResponse(body, status_code=200 if body["live"] else 503)
 
     @app.get("/metrics")
     async def prometheus():

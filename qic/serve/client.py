@@ -8,7 +8,8 @@ import json
 
 def request(port: int, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60,
             host: str = "127.0.0.1"):
-    """(status, lower-cased headers, parsed JSON body or None) over a fresh connection."""
+    """(status, lower-cased headers, body) over a fresh connection: the body parsed from JSON, as text when the
+    server says it is another type (GET /metrics), or None when empty."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -16,6 +17,10 @@ def request(port: int, method: str, path: str, body=None, raw: bytes | None = No
         resp = conn.getresponse()
         payload = resp.read()
         headers = {k.lower(): v for k, v in resp.getheaders()}
-        return resp.status, headers, json.loads(payload) if payload else None
+        if not payload:
+            return resp.status, headers, None
+        if headers.get("content-type", "application/json").startswith("application/json"):
+            return resp.status, headers, json.loads(payload)
+        return resp.status, headers, payload.decode()
     finally:
         conn.close()
