@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -77,6 +78,27 @@ def test_run_matches_diffusers_at_every_resolution_and_bucket(bundle_two_res, ti
         other = diffusers_image(tiny_ckpt, kw["prompt"], " ", kw["guidance"], seed=3, steps=STEPS, height=h, width=w)
         ours = generate(b, Request(SHORT, steps=STEPS, seed=3, height=h, width=w)).image
         assert image_diff(ours, other)[0] > BOUND, wrong
+
+
+def test_a_process_that_ends_without_cleaning_up_leaves_no_extracted_graphs(bundle, tmp_path):
+    """torch extracts each AOTInductor package into a directory under the temp dir and removes it only when its
+    loader is destroyed; a server stopped by a signal or a killed rank never destroys it (~4 MB a graph, every
+    start). qic removes the directory once the library is loaded: a run ended by os._exit leaves none, and the
+    graphs ran after their files were gone."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    code = f"""
+import os
+from qic.runtime.bundle import Bundle
+from qic.runtime.generate import Request, generate
+bundle = Bundle({str(bundle)!r})     # alive until the end, as a server's is
+print("PIXELS", generate(bundle, Request("a cat", steps=2)).image.size)
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, "TMPDIR": str(temp)}).stdout
+    assert "PIXELS" in out, out
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("aotinductor_")]
 
 
 def test_cli_run_matches_diffusers_and_png_is_reproducible(bundle, tiny_ckpt, tmp_path):

@@ -9,6 +9,10 @@ torch-xla, 2.13), but the inductor back end refuses any torch series not in TEST
 
 from __future__ import annotations
 
+import re
+import shutil
+import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -49,10 +53,40 @@ def describe(manifest: dict) -> tuple[list[str], dict]:
     return [], {}
 
 
+_extract_lock = threading.Lock()
+
+
+def _open_package(path: Path):
+    """torch's loader extracts the package into a fresh directory under the temp dir and removes it only when the
+    loader is destroyed; a process that ends without destroying it (a server stopped by SIGTERM, a rank killed with
+    its group) leaves ~4 MB a graph behind, every start. The extracted library is loaded (mapped) by then and
+    nothing reads the directory again, so remove it at once: a mapped file outlives its name, and nothing is left
+    behind however the process ends. The directory is the one holding a file this process mapped during the load
+    (torch names it aotinductor_*: only such a directory is removed); the lock keeps two loads' maps apart."""
+    temp = Path(tempfile.gettempdir())
+    with _extract_lock:
+        before = _mapped_dirs(temp)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        for extracted in _mapped_dirs(temp) - before:
+            if extracted.name.startswith("aotinductor_"):
+                shutil.rmtree(extracted, ignore_errors=True)
+    return loader
+
+
+def _mapped_dirs(temp: Path) -> set[Path]:
+    """The directories right under `temp` that hold a file this process has mapped (Linux; elsewhere none)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    prefix = re.escape(str(temp).rstrip("/"))
+    return {temp / name for name in re.findall(rf" {prefix}/([^/\s]+)/", maps)}
+
+
 def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, world: int = 1,
          manifest: dict | None = None):
     check_torch()
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    loader = _open_package(path)
     bound = [w if w.device.type == device else w.to(device) for w in weights]
 
     def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
