@@ -21,6 +21,7 @@ them would make the package layering circular. qic.builder.jobs keys graphs by t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -209,6 +210,17 @@ def use(fam: Family | str) -> Family:
 
 def current() -> Family:
     return _current[0] if _current else default()
+
+
+@contextlib.contextmanager
+def using(fam: Family | str):
+    """use(fam) for the block: the family in use before it is in use again after it (an eager stand-in of one family
+    leaves none of its own in use)."""
+    saved = list(_current)
+    try:
+        yield use(fam)
+    finally:
+        _current[:] = saved
 
 
 def components_module(fam: Family | str | None = None):

@@ -252,3 +252,23 @@ def memoised(pipe, key: tuple, draw):
 def picture_key(*images) -> tuple:
     """PIL images as a memo key: their sizes, modes and pixels."""
     return tuple((im.size, im.mode, im.tobytes()) for im in images)
+
+
+def check_previews(run) -> None:
+    """A host program's previews (qic.runtime.loop; qic serve's partial images): run(previews) runs the program with
+    the hook and returns its Result. The hook is called after every step, in order, with the run's step count; the
+    last step's predicted picture is the result's image (x0 read from the last update is the final latents, up to
+    the subtraction's rounding: the image parity bound), and the first step's is far from it (mean > 1 level), so
+    the check can tell a preview from the image."""
+    import numpy as np
+    seen = []
+    result = run(lambda step, steps, decode: seen.append((step, steps, decode()[0])))
+    steps = seen[0][1]
+    assert [(s, n) for s, n, _ in seen] == [(i, steps) for i in range(steps)], [(s, n) for s, n, _ in seen]
+
+    def diff(a, b):
+        d = np.abs(np.asarray(a).astype(np.float64) - np.asarray(b).astype(np.float64))
+        return float(d.max()), float(d.mean())
+    worst, mean = diff(seen[-1][2], result.image)
+    assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
+    assert diff(seen[0][2], result.image)[1] > 1

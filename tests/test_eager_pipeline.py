@@ -5,6 +5,7 @@ import pytest
 from qic.builder.eager import EagerModel
 from qic.runtime.generate import Request, generate
 from tests.conftest import diffusers_image, image_diff
+from tests.helpers import check_previews
 
 # Max-abs in 0..255 pixel units. The fp32 pipelines agree to ~1e-5 relative (summation order), far
 # below one level (1/255 of the [-1, 1] range / 2 = 2e-3), so a pixel differs only where a value sits
@@ -40,3 +41,8 @@ def test_cfg_off_matches_diffusers(tiny_ckpt):
     assert image_diff(ours, ref)[0] <= BOUND
     with_cfg = diffusers_image(tiny_ckpt, "a cat", " ", guidance=4.0, seed=1, steps=4)
     assert image_diff(ours, with_cfg)[0] > BOUND
+
+
+def test_previews_follow_every_step_and_end_at_the_image(tiny_ckpt):
+    model = EagerModel(tiny_ckpt, [(48, 80)], [0])
+    check_previews(lambda previews: generate(model, Request("a cat", steps=4, seed=1), previews))

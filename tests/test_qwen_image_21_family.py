@@ -294,3 +294,13 @@ def test_no_kv_cache_reaches_the_program_from_the_flag_and_a_prompts_file_line(b
         result = CliRunner().invoke(main, ["run", str(bundle), *args, "--output", str(tmp_path / "x.png")])
         assert result.exit_code == 0, result.output
     assert seen == [False, False, None]
+
+
+def test_previews_follow_every_step_and_end_at_the_image(ckpt):
+    """The 2.1 program's previews (qic serve's partial images), on the eager stand-in."""
+    from qic.builder.eager import EagerModel
+    from qic.models.qwen_image_21.host import Request, generate
+    from tests.helpers import check_previews
+    model = EagerModel(ckpt, [SIZE], [BUCKET])
+    check_previews(lambda previews: generate(model, Request(PROMPT, negative_prompt=NEGATIVE, guidance=GUIDANCE,
+                                                            seed=SEED, steps=STEPS), previews))

@@ -118,6 +118,16 @@ def test_one_image_edits_as_the_pipeline(edit_export, pipe):
     assert not _within(_ours(edit_export, _pictures(1, seed=99)), ref)
 
 
+def test_previews_follow_every_step_and_end_at_the_image(edit_export):
+    """The edit program's previews (qic serve's partial images)."""
+    from qic.models.qwen_image.host import Request, generate
+    from qic.runtime.bundle import Bundle
+    from tests.helpers import check_previews
+    req = Request(PROMPT, negative_prompt=NEGATIVE, guidance=GUIDANCE, seed=SEED, steps=STEPS, height=OUTPUT[0],
+                  width=OUTPUT[1], image=_pictures(1), nearest_condition_size=True)
+    check_previews(lambda previews: generate(Bundle(edit_export), req, previews))
+
+
 def test_two_images_of_different_aspect(edit_export, pipe):
     images = _pictures(2)
     ref = _reference(pipe, images)

@@ -415,6 +415,60 @@ def test_openai_client_gets_the_png_qic_run_writes(server, bundle, tmp_path):
     assert meta["resolution"] == "{}x{}".format(*TINY_RES)
 
 
+def diffusers_predicted_clean(root, prompt: str, seed: int, steps: int, at: list[int]) -> list:
+    """The clean pictures diffusers' QwenImagePipeline's own steps predict: its latents after each step (the step-end
+    callback), x0 = x_i - sigma_i (x_(i+1) - x_i) / (sigma_(i+1) - sigma_i) at each step i of `at` (>= 1: x_i is the
+    latents after step i-1), decoded as the pipeline decodes its final latents."""
+    import torch
+    from diffusers import QwenImagePipeline
+    pipe = QwenImagePipeline.from_pretrained(str(root), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    after = []
+
+    def grab(pipe, i, t, tensors):
+        after.append(tensors["latents"].clone())
+        return {}
+    h, w = TINY_RES
+    pipe(prompt, negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=steps, height=h, width=w,
+         generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=grab,
+         callback_on_step_end_tensor_inputs=["latents"])
+    sigmas, vae = pipe.scheduler.sigmas, pipe.vae
+    out = []
+    with torch.no_grad():
+        for i in at:
+            x, x_next = after[i - 1], after[i]
+            x0 = x - sigmas[i] * (x_next - x) / (sigmas[i + 1] - sigmas[i])
+            latents = pipe._unpack_latents(x0, h, w, pipe.vae_scale_factor)
+            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+            std = torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+            image = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+            out.append(pipe.image_processor.postprocess(image, output_type="pil")[0])
+    return out
+
+
+def test_streamed_partial_images_are_diffusers_predicted_pictures_and_the_completed_png_is_unstreamed(
+        server, tiny_ckpt):
+    """stream: true, partial_images 2, 6 steps: the partial images come after steps 1 and 3 and are the clean
+    pictures diffusers' own latents predict there (within the image parity bound); each is far from the other
+    step's, so the bound can tell steps apart; the completed image is the PNG the request gets unstreamed."""
+    from openai import OpenAI
+
+    from tests.conftest import image_diff
+    from tests.helpers import MAX_PIXEL, MEAN_PIXEL
+    client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    events = list(client.images.generate(prompt="a red bicycle", size=SIZE, stream=True, partial_images=2,
+                                         extra_body={"seed": 21, "steps": 6}))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    partials = [Image.open(io.BytesIO(base64.b64decode(e.b64_json))) for e in events[:2]]
+    status, _, body = gen(server.port, seed=21, steps=6)
+    assert status == 200 and base64.b64decode(events[2].b64_json) == png_of(body)
+    reference = diffusers_predicted_clean(tiny_ckpt, "a red bicycle", 21, 6, [1, 3])
+    for ours, theirs in zip(partials, reference):
+        worst, mean = image_diff(ours, theirs)
+        assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
+    assert image_diff(partials[0], reference[1])[1] > 1 and image_diff(partials[1], reference[0])[1] > 1
+
+
 def test_burst_of_50_gets_images_or_429_and_memory_settles(server):
     assert gen(server.port, seed=999)[0] == 200   # warm: the first run's allocations are part of "loaded"
     post_load = server.rss_mib()
@@ -579,6 +633,14 @@ def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, t
         qic("run", bundle_tp2, "--tp", 2, "--prompt", "a red bicycle", "--steps", STEPS, "--seed", 4,
             "--output", tmp_path / "run.png")
         assert png_of(body) == (tmp_path / "run.png").read_bytes()
+        # Streamed at TP 2: rank 0 alone decodes the partial image (the decoder has no collectives); the other
+        # rank runs the same steps without it, and the completed image is the same PNG.
+        status, _, text = request(srv.port, "POST", "/v1/images/generations", {
+            "prompt": "a red bicycle", "steps": STEPS, "seed": 4, "stream": True, "partial_images": 1})
+        events = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+        assert status == 200 and [e["type"] for e in events] == ["image_generation.partial_image",
+                                                                 "image_generation.completed"], text[:300]
+        assert base64.b64decode(events[1]["b64_json"]) == (tmp_path / "run.png").read_bytes()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(60) == 0, srv.log_path.read_text()
         psutil.wait_procs(ranks, timeout=10)

@@ -57,54 +57,56 @@ class EagerModel:
         step caching only with step_cache."""
         self.cfg_modes, self.batch_sizes = tuple(cfg), batch_sizes   # before `cfg` names a component's config
         self.ckpt = Checkpoint(Path(root))
-        fam = family.use(family.of_model_index(self.ckpt.root / "model_index.json"))   # its components: the stages'
-        self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
-        self.resolutions = [tuple(r) for r in resolutions]
-        self.buckets = list(buckets)
-        # The host fields a bundle of these resolutions and buckets records, from the family's own hook (what its
-        # host program reads: qic.runtime.programs), so one stand-in serves every family's program.
-        given = {"model": str(self.ckpt.root), "resolutions": [f"{h}x{w}" for h, w in self.resolutions],
-                 "text_buckets": self.buckets, "dtype": dtype}
-        spec = parse_spec(given)
-        self.manifest = self._host_fields(spec, fam)
-        self.scheduler = self.manifest.get("scheduler")
-        self.prompt = self.manifest.get("prompt")
-        self.dtype = dtype
-        self.configs, self.modules = {}, {}
-        self.layout, self.rank = layout or Layout(), rank
-        self.world, self.coords = self.layout.world, self.layout.coords(rank)
-        join(self.layout)   # the mesh's groups and the host's (nothing on one rank)
-        # the components a build of this checkpoint holds by default (a family's condition components only with
-        # condition sizes: an edit checkpoint's defaults)
-        built = {name: family.component(name) for name in spec.components}
-        for name, comp in built.items():
-            cfg = comp.parse_config(self.ckpt.config(comp.folder))
-            sd = comp.convert(self.ckpt.weights(comp.folder).load())
-            if comp.runs_layout and self.layout.tp > 1:
-                module = comp.make_module(cfg, tp_size=self.layout.tp)
-                sd = shard_state_dict(name, sd, self.coords["tp"], self.layout.tp)
-                apply_tp(module, self.layout.group_name("tp"))
-            else:
-                module = comp.make_module(cfg)
-            load_weights(module, sd, name)
-            self.configs[name] = cfg
-            self.modules[name] = module.to(TORCH_DTYPES[comp.run_dtype(dtype)]).eval()
-        self.latents = self.manifest.get("latents")
-        for h, w in self.resolutions:   # as `qic build` refuses them
-            packed_grid(h, w, self.configs["vae_decoder"].scale_factor)
-        # The parts of each component's graphs a build of these keys holds besides step caching's (None: the whole
-        # graph; Qwen-Image-2.1's denoiser has only its prefill and decode)
-        self._parts = {name: {shape.get("part") for shape in comp.graph_shapes(spec)} for name, comp in built.items()}
-        # step caching's split graphs, (part, rows), as the family's components plan them for a bundle
-        self._split = set()
-        if step_cache:
-            split = parse_spec(given | {"step_cache": list(step_cache)})
-            shapes = family.component("denoiser").graph_shapes(split)
-            self._split = {(shape["part"], shape.get("rows")) for shape in shapes if "first" in shape}
-        self._graphs = {}
-        self.defaults = {}
-        self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
-        self.lockstep = False   # each rank runs its own graphs eagerly
+        self.family = family.of_model_index(self.ckpt.root / "model_index.json")
+        with family.using(self.family) as fam:   # its components: the stages'; none left in use after it
+            self.tokenizer = load_tokenizer(self.ckpt.tokenizer_dir)
+            self.resolutions = [tuple(r) for r in resolutions]
+            self.buckets = list(buckets)
+            # The host fields a bundle of these resolutions and buckets records, from the family's own hook (what its
+            # host program reads: qic.runtime.programs), so one stand-in serves every family's program.
+            given = {"model": str(self.ckpt.root), "resolutions": [f"{h}x{w}" for h, w in self.resolutions],
+                     "text_buckets": self.buckets, "dtype": dtype}
+            spec = parse_spec(given)
+            self.manifest = self._host_fields(spec, fam)
+            self.scheduler = self.manifest.get("scheduler")
+            self.prompt = self.manifest.get("prompt")
+            self.dtype = dtype
+            self.configs, self.modules = {}, {}
+            self.layout, self.rank = layout or Layout(), rank
+            self.world, self.coords = self.layout.world, self.layout.coords(rank)
+            join(self.layout)   # the mesh's groups and the host's (nothing on one rank)
+            # the components a build of this checkpoint holds by default (a family's condition components only with
+            # condition sizes: an edit checkpoint's defaults)
+            built = {name: family.component(name) for name in spec.components}
+            for name, comp in built.items():
+                cfg = comp.parse_config(self.ckpt.config(comp.folder))
+                sd = comp.convert(self.ckpt.weights(comp.folder).load())
+                if comp.runs_layout and self.layout.tp > 1:
+                    module = comp.make_module(cfg, tp_size=self.layout.tp)
+                    sd = shard_state_dict(name, sd, self.coords["tp"], self.layout.tp)
+                    apply_tp(module, self.layout.group_name("tp"))
+                else:
+                    module = comp.make_module(cfg)
+                load_weights(module, sd, name)
+                self.configs[name] = cfg
+                self.modules[name] = module.to(TORCH_DTYPES[comp.run_dtype(dtype)]).eval()
+            self.latents = self.manifest.get("latents")
+            for h, w in self.resolutions:   # as `qic build` refuses them
+                packed_grid(h, w, self.configs["vae_decoder"].scale_factor)
+            # The parts of each component's graphs a build of these keys holds besides step caching's (None: the whole
+            # graph; Qwen-Image-2.1's denoiser has only its prefill and decode)
+            self._parts = {name: {shape.get("part") for shape in comp.graph_shapes(spec)}
+                           for name, comp in built.items()}
+            # step caching's split graphs, (part, rows), as the family's components plan them for a bundle
+            self._split = set()
+            if step_cache:
+                split = parse_spec(given | {"step_cache": list(step_cache)})
+                shapes = family.component("denoiser").graph_shapes(split)
+                self._split = {(shape["part"], shape.get("rows")) for shape in shapes if "first" in shape}
+            self._graphs = {}
+            self.defaults = {}
+            self.step_cache = dict(zip(("first", "last"), step_cache)) if step_cache else None
+            self.lockstep = False   # each rank runs its own graphs eagerly
 
     @staticmethod
     def _host_fields(spec, fam) -> dict:
@@ -139,14 +141,18 @@ class EagerModel:
                               f"{list(self.batch_sizes or []) or 'any'}, step_cache {self.step_cache})")
         key = (component, resolution, bucket, cfg, batch, part, rows)
         if key not in self._graphs:
-            # The shape as qic.builder.jobs plans it (absent entries: the defaults every graph maker assumes),
-            # made by the component's own graph maker, as a build makes it.
-            given = {"resolution": None if resolution is None else list(resolution), "bucket": bucket,
-                     "cfg": None if cfg else False, "batch": None if batch == 1 else batch, "part": part, "rows": rows}
-            split = self.step_cache if part not in self._parts.get(component, {None}) else None
-            shape = {k: v for k, v in given.items() if v is not None} | (split or {})
-            dtype = family.component(component).run_dtype(self.dtype)
-            gdef = make_graph(component, self.modules[component], self.configs, shape, dtype, self.layout)
-            fixed = {name: torch.tensor([self.coords[axis]]) for name, axis in RANK_INPUTS.items()}
-            self._graphs[key] = _Eager(gdef, fixed)
+            with family.using(self.family):
+                self._graphs[key] = self._make(component, resolution, bucket, cfg, batch, part, rows)
         return self._graphs[key]
+
+    def _make(self, component, resolution, bucket, cfg, batch, part, rows) -> _Eager:
+        # The shape as qic.builder.jobs plans it (absent entries: the defaults every graph maker assumes), made by the
+        # component's own graph maker, as a build makes it.
+        given = {"resolution": None if resolution is None else list(resolution), "bucket": bucket,
+                 "cfg": None if cfg else False, "batch": None if batch == 1 else batch, "part": part, "rows": rows}
+        split = self.step_cache if part not in self._parts.get(component, {None}) else None
+        shape = {k: v for k, v in given.items() if v is not None} | (split or {})
+        dtype = family.component(component).run_dtype(self.dtype)
+        gdef = make_graph(component, self.modules[component], self.configs, shape, dtype, self.layout)
+        fixed = {name: torch.tensor([self.coords[axis]]) for name, axis in RANK_INPUTS.items()}
+        return _Eager(gdef, fixed)

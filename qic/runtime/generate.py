@@ -22,7 +22,7 @@ from qic.host.options import CACHE_FIELDS, REQUEST_OPTIONS, request_class
 from qic.host.prompt import pick_bucket
 from qic.host.schedule import Schedule, flow_match_schedule
 from qic.parallel.mesh import gather_objects, group_done, share_from, wait_for_group
-from qic.runtime.loop import denoise_loop, record_steps
+from qic.runtime.loop import Previews, denoise_loop, record_steps
 from qic.runtime.protocol import Runnable
 from qic.runtime.step_cache import cached_step
 
@@ -158,8 +158,8 @@ def img2img_start(bundle: Runnable, req: Request, schedule: Schedule) -> Start:
     return Start(sigma * noise + (1.0 - sigma) * image, rest, blend)
 
 
-def generate(bundle: Runnable, req: Request) -> Result:
-    return generate_batch(bundle, [req])[0]
+def generate(bundle: Runnable, req: Request, previews: Previews | None = None) -> Result:
+    return generate_batch(bundle, [req], previews)[0]
 
 
 def plan(bundle: Runnable, req: Request) -> tuple:
@@ -169,11 +169,12 @@ def plan(bundle: Runnable, req: Request) -> tuple:
     return batch_key(req, text_plan(bundle, req))
 
 
-def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
+def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | None = None) -> list[Result]:
     """Run compatible requests (equal `batch_key`) as one batch through the graphs of that batch size
     (the batch-1 graphs for one request; `@B<n>` graphs, built by `batch_sizes`, for n). Each request
     keeps its own prompt, negative prompt, seed and guidance: the step graph takes guidance as one scale
-    per image ([n]; a 0-dim scalar at batch 1). Timings are the batch's, shared by its results."""
+    per image ([n]; a 0-dim scalar at batch 1). Timings are the batch's, shared by its results. previews:
+    qic.runtime.loop's, the images each step predicts (decoded by the batch-1 decoder graph, on demand)."""
     reqs = [validate(r, bundle) for r in reqs]
     n = len(reqs)
     times: dict = {}
@@ -244,8 +245,11 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
     else:
         if share:   # one text row an image (the no-CFG graph): this group's images' rows
             text, text_mask = text[lo:hi], text_mask[lo:hi]
+        def decode(x0):   # this rank's images [lo, hi) of the batch's n
+            held = [to_pil(bundle.graph("vae_decoder", res)(x0[j:j + 1])[0]) for j in range(x0.shape[0])]
+            return [None] * lo + held + [None] * (n - hi)
         x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times,
-                                blend)
+                                blend, previews and (previews, decode))
     if share:
         if idler and hi > lo:
             group_done()
@@ -262,20 +266,22 @@ def generate_batch(bundle: Runnable, reqs: list[Request]) -> list[Result]:
 
 
 def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
-            times: dict, blend=None):
+            times: dict, blend=None, previews: tuple | None = None):
     """The denoise loop over x's images: (final latents, step-cache rows or None). One step graph a step, or
     with step caching on the split graphs (qic/runtime/step_cache.py); the loop is the same one. blend: inpaint's
-    (i, latents, sigma_next) -> latents after each step (img2img_start)."""
+    (i, latents, sigma_next) -> latents after each step (img2img_start). previews: (previews, decode) for the
+    loop, or None."""
     batch = x.shape[0]
+    hooks = dict(zip(("previews", "decode"), previews or ()))
     if req.cache.active:
         step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance)
-        return denoise_loop(step, x, schedule, record_steps(times)), decisions.state
+        return denoise_loop(step, x, schedule, record_steps(times), **hooks), decisions.state
     graph = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch)
 
     def step(i, x, timestep, sigma, sigma_next):
         out = graph(x, text, text_mask, timestep, sigma, sigma_next, *guidance)[0]
         return out if blend is None else blend(i, out, sigma_next)
-    return denoise_loop(step, x, schedule, record_steps(times)), None
+    return denoise_loop(step, x, schedule, record_steps(times), **hooks), None
 
 
 def share_of(bundle, res, bucket, n: int, cached: bool) -> list[tuple[int, int]]:

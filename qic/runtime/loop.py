@@ -4,6 +4,11 @@ In flux's manner the loop knows only the schedule and a step callable, so what a
 calls, what step caching decides, which collectives a decision reads) is the caller's, and so is what is
 done with each step's time. Each step graph applies the Euler update itself (the latents in are the latents
 out, qic/models/qwen_image/step.py), so the loop carries x from one step to the next and adds nothing to it.
+
+Previews (qic serve's streamed partial images) are the clean latents a step predicts, read from its Euler update:
+x_next = x + (sigma_next - sigma) * v with the flow-matching velocity v = noise - x0 and x = (1 - sigma) x0 +
+sigma * noise, so x0 = x - sigma * v = x - sigma * (x_next - x) / (sigma_next - sigma); after the last step (sigma_next
+0) that is x_next itself, the final latents. It needs nothing from the step graphs beyond what every step returns.
 """
 
 from __future__ import annotations
@@ -19,17 +24,38 @@ from qic.host.schedule import Schedule
 Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# previews(i, steps, decode) after step i of `steps`: decode() gives the images the step predicts (a list, one per
+# image of the batch; None for an image this rank does not hold), decoded only if called.
+Previews = Callable[[int, int, Callable[[], list]], None]
+
+
 def denoise_loop(step: Step, x: torch.Tensor, schedule: Schedule,
                  on_step: Callable[[int, float], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> torch.Tensor:
+                 clock: Callable[[], float] = time.perf_counter,
+                 previews: Previews | None = None,
+                 decode: Callable[[torch.Tensor], list] | None = None) -> torch.Tensor:
     """Every step of `schedule` over latents x; returns the final latents. on_step(i, seconds): step i's time
-    as `clock` measured it around the step call (what the caller records; nothing by default)."""
+    as `clock` measured it around the step call (what the caller records; nothing by default). previews: called
+    after each step with the step's predicted clean latents decoded by `decode` (latents -> images) on demand."""
+    steps = len(schedule.timesteps)
     for i, t in enumerate(schedule.timesteps):
         t0 = clock()
-        x = step(i, x, t, schedule.sigmas[i], schedule.sigmas[i + 1])
+        sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
+        x_next = step(i, x, t, sigma, sigma_next)
         if on_step is not None:
             on_step(i, clock() - t0)
+        if previews is not None:
+            previews(i, steps, lambda x=x, x_next=x_next, sigma=sigma, sigma_next=sigma_next:
+                     decode(predicted_clean(x, x_next, sigma, sigma_next)))
+        x = x_next
     return x
+
+
+def predicted_clean(x: torch.Tensor, x_next: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """The clean latents a flow-matching Euler step from x (at sigma) to x_next (at sigma_next) predicts, in fp32
+    (the module docstring says why)."""
+    x, x_next = x.float(), x_next.float()
+    return x - sigma * (x_next - x) / (sigma_next - sigma)
 
 
 def record_steps(times: dict) -> Callable[[int, float], None]:

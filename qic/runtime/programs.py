@@ -43,11 +43,21 @@ def serving(program) -> bool:
     return callable(getattr(program, "plan", None))
 
 
-def run_batch(program, model, requests: list) -> list:
-    """A batch through the program: its generate_batch, else its generate (a batch of one)."""
+def previews(program) -> bool:
+    """Whether a program's runs can hand out previews (qic.runtime.loop's; qic serve's partial images): its
+    generate (and generate_batch) take them."""
+    import inspect
+    return all("previews" in inspect.signature(f).parameters
+               for f in (program.generate, getattr(program, "generate_batch", program.generate)))
+
+
+def run_batch(program, model, requests: list, previews=None) -> list:
+    """A batch through the program: its generate_batch, else its generate (a batch of one). previews:
+    qic.runtime.loop's, given only to a program that takes them (previews(program))."""
+    hooks = {} if previews is None else {"previews": previews}
     batch = getattr(program, "generate_batch", None)
     if batch is not None:
-        return batch(model, requests)
+        return batch(model, requests, **hooks)
     if len(requests) != 1:
         raise RuntimeError(f"batch of {len(requests)}: {program.__name__} runs one request at a time")
-    return [program.generate(model, requests[0])]
+    return [program.generate(model, requests[0], **hooks)]

@@ -13,7 +13,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException
 
@@ -23,6 +23,7 @@ from qic.runtime.png import step_cache_of
 from qic.serve.metrics import Metrics
 from qic.serve.queue import QueueFull, Scheduler, Unavailable
 from qic.serve.settings import Settings
+from qic.serve.stream import MAX_PARTIALS, PartialImages, batch_previews, error_event, image_event
 
 access_log = logging.getLogger("qic.serve.access")
 
@@ -36,6 +37,8 @@ class _OpenAIFields(BaseModel):
     response_format: Literal["b64_json"] = "b64_json"
     model: str | None = None
     user: str | None = None
+    stream: bool = False                                    # server-sent events (qic.serve.stream)
+    partial_images: int = Field(0, ge=0, le=MAX_PARTIALS)   # with stream: partial images before the completed one
 
 
 def _field(option):
@@ -98,12 +101,16 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
     (from any thread or a signal handler): /health answers 503 and every queued, running and later image
     request 503 with the reason; then on_fail(error) is called on the event loop (the server stops)."""
     clock = getattr(runner, "stage_clock", None)
+    # A streamed request's partial images by id() of its Request (the scheduler's item): added on the event loop
+    # before the request queues, read on the runner's thread while its batch runs.
+    partials: dict[int, PartialImages] = {}
 
     def run_batch(items: list) -> list:   # on the runner's thread: one batch, and what it cost
         if clock is not None:
             clock.take()   # drop what ran outside a batch (the warm-up)
         t = time.perf_counter()
-        out = runner.run(items)
+        previews = batch_previews([partials.get(id(item)) for item in items])
+        out = runner.run(items) if previews is None else runner.run(items, previews=previews)
         metrics.batch(len(items), time.perf_counter() - t, clock.take() if clock is not None else {})
         return out
 
@@ -185,7 +192,11 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
 
     @app.post("/v1/images/generations")
     async def generations(body: ImageRequest, request: Request):
-        return await _serve(body, _plan(runner, settings, body), request)
+        _check_stream(runner, body)
+        items = _plan(runner, settings, body)
+        if body.stream:
+            return _stream(body, items, request, "image_generation")
+        return await _serve(body, items, request)
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
@@ -198,15 +209,18 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
             raise ApiError(400, f"this model edits no images (its host program is {runner.program.__name__}); "
                                 "POST /v1/images/generations", "image")
         request.state.log["images"] = len(images)
+        _check_stream(runner, body)
         extra = {"image": images, "mask": mask, "nearest_condition_size": body.nearest_condition_size,
                  "strength": body.strength}
-        return await _serve(body, _plan(runner, settings, body, extra), request)
+        items = _plan(runner, settings, body, extra)
+        if body.stream:
+            return _stream(body, items, request, "image_edit")
+        return await _serve(body, items, request)
 
-    async def _serve(body, items, request: Request):
-        log = request.state.log
+    def _submit(body, items, log: dict) -> list:
         log.update(n=body.n, size=body.size, steps=items[0][0].steps, seed=body.seed)   # steps: as resolved
         try:
-            jobs = scheduler.submit(items)
+            return scheduler.submit(items)
         except Unavailable as e:
             raise _unavailable(e) from None
         except QueueFull as e:
@@ -214,11 +228,19 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
             raise ApiError(429, f"the queue is full ({settings.queue} images waiting); retry after {e.retry_after} s",
                            type_="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from None
-        outcome = await _wait(request, [j.future for j in jobs], settings.timeout)
+
+    def _log_start(jobs, log: dict) -> list:
         started = [j.started for j in jobs if j.started is not None]
         if started:
             log["queue_s"] = round(min(started) - jobs[0].enqueued, 4)
             log["batch"] = max(j.batch for j in jobs)
+        return started
+
+    async def _serve(body, items, request: Request):
+        log = request.state.log
+        jobs = _submit(body, items, log)
+        outcome = await _wait(request, [j.future for j in jobs], settings.timeout)
+        started = _log_start(jobs, log)
         if outcome != "done":
             cancelled = sum(scheduler.cancel(j) for j in jobs)
             log["cancelled_queued"] = cancelled
@@ -245,7 +267,82 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
         return {"created": int(time.time()), "output_format": "png", "size": body.size,
                 "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]}
 
+    def _stream(body, items, request: Request, kind: str) -> StreamingResponse:
+        """stream: true (one image, _check_stream): admitted as any request (429 and 503 before the stream
+        begins), then its partial images and the completed one as server-sent events (qic.serve.stream); a
+        failure after that is an error event. A client that goes away cancels the request if it is still queued."""
+        log = request.state.log
+        log["stream"] = True
+        req = items[0][0]
+        sink = PartialImages(body.partial_images, asyncio.get_running_loop())
+        partials[id(req)] = sink
+        try:
+            (job,) = _submit(body, items, log)
+        except BaseException:
+            partials.pop(id(req), None)
+            raise
+        size = body.size if body.size != "auto" else f"{req.width}x{req.height}"
+
+        async def events():
+            sent = 0
+            waiting = None
+            deadline = time.monotonic() + settings.timeout
+            try:
+                while True:
+                    waiting = asyncio.ensure_future(sink.queue.get())
+                    done, _ = await asyncio.wait({waiting, job.future}, timeout=max(0.0, deadline - time.monotonic()),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if waiting in done:
+                        index, png = waiting.result()
+                        sent += 1
+                        yield image_event(kind, png, size, index)
+                        continue
+                    if not done:
+                        log["error"] = "timeout"
+                        yield error_event(f"no image within the server's {settings.timeout:g} s timeout",
+                                          "timeout_error", "timeout")
+                        return
+                    while not sink.queue.empty():   # the partial images queued before the run returned
+                        index, png = sink.queue.get_nowait()
+                        sent += 1
+                        yield image_event(kind, png, size, index)
+                    try:
+                        png = job.future.result()
+                    except Exception as e:
+                        log["error"] = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}"
+                        metrics.images.labels("error").inc()
+                        yield (error_event(f"the server can make no more images: {e}", "server_error", "unavailable")
+                               if isinstance(e, Unavailable) else
+                               error_event(f"generation failed: {type(e).__name__}: {e}", "server_error"))
+                        return
+                    metrics.images.labels("ok").inc()
+                    started = _log_start([job], log)
+                    log["run_s"] = round(time.perf_counter() - min(started), 4)
+                    yield image_event(kind, png, size)
+                    return
+            finally:
+                if waiting is not None:
+                    waiting.cancel()
+                partials.pop(id(req), None)
+                log["partial_images"] = sent
+                if not job.future.done():   # the client went away (or the stream timed out)
+                    log["cancelled_queued"] = int(scheduler.cancel(job))
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
     return app
+
+
+def _check_stream(runner, body) -> None:
+    """stream and partial_images: one image a stream (its events name no image), partial images only in a stream
+    and only from a bundle that makes them; each refusal one 400 naming the field."""
+    if body.stream and body.n != 1:
+        raise ApiError(400, f"n is {body.n}; a stream carries one image (its events name no image): give n 1", "n")
+    if body.partial_images and not body.stream:
+        raise ApiError(400, "partial_images come as server-sent events: give stream true, or partial_images 0",
+                       "partial_images")
+    refused = getattr(runner, "no_partials", None)
+    if body.partial_images and refused:
+        raise ApiError(400, f"partial_images: this server makes none: {refused}", "partial_images")
 
 
 def _unavailable(e: Unavailable) -> ApiError:

@@ -17,7 +17,7 @@ import torch
 
 from qic.runtime.bundle import Bundle
 from qic.runtime.png import png_bytes
-from qic.runtime.programs import program_of, run_batch
+from qic.runtime.programs import previews, program_of, run_batch
 from qic.serve.metrics import StageClock
 from qic.serve.queue import Unavailable
 
@@ -95,29 +95,38 @@ class BundleRunner:
         # OpenAI sizes are WIDTHxHEIGHT; the bundle lists (height, width).
         self.sizes = {f"{w}x{h}": (h, w) for h, w in bundle.resolutions}
         self.stage_clock = StageClock(bundle)   # seconds per component's graphs, for /metrics
+        # Why this bundle streams no partial images (None: it does). Rank 0 alone decodes them (the decoder graph
+        # has no collectives), which ranks run in lockstep cannot allow.
+        self.no_partials = None
+        if not previews(self.program):
+            self.no_partials = f"its host program ({self.program.__name__}) makes no previews"
+        elif bundle.lockstep and bundle.layout.world > 1:
+            self.no_partials = (f"its ranks run in lockstep on {bundle.device} (every rank must call the same "
+                                "graphs), and only rank 0 would decode them")
 
     def plan(self, req) -> tuple:
         """Check a request against the bundle (ConfigError if it cannot run) and return its batch key:
         requests with equal keys run the same graphs with the same scalars' shapes."""
         return self.program.plan(self.bundle, req)
 
-    def run(self, reqs: list) -> list[bytes]:
+    def run(self, reqs: list, previews=None) -> list[bytes]:
+        """PNG bytes per request. previews: qic.runtime.loop's, on this rank only (streamed partial images)."""
         if len(reqs) not in self.batch_sizes:
             raise RuntimeError(f"batch of {len(reqs)}: this runner runs {self.batch_sizes}")
         if self.group is None:
-            return self._run(reqs)
+            return self._run(reqs, previews)
         import torch.distributed as dist
         try:
             dist.broadcast_object_list([reqs], src=0, group=self.group)
-            return self._run(reqs)
+            return self._run(reqs, previews)
         except Exception as e:
             # Every rank ran this batch: whatever failed here failed on the others too, or a collective
             # broke (a rank died). Either way the ranks are out of step for good.
             raise Unavailable(f"a tensor-parallel batch failed ({type(e).__name__}: {e})") from e
 
-    def _run(self, reqs: list) -> list[bytes]:
+    def _run(self, reqs: list, previews=None) -> list[bytes]:
         return [png_bytes(r, self.bundle.id, self.bundle.weights_id)
-                for r in run_batch(self.program, self.bundle, reqs)]
+                for r in run_batch(self.program, self.bundle, reqs, previews)]
 
     def close(self) -> None:
         """Release the other ranks (tensor-parallel): nothing more will come."""

@@ -47,7 +47,7 @@ from qic.models.qwen_image.host.conditions import (
 )
 from qic.models.qwen_image.host.rope import check_positions, position_tables, rope_positions
 from qic.runtime.generate import DEFAULT_GUIDANCE, DEFAULT_STEPS, to_pil
-from qic.runtime.loop import denoise_loop, record_steps
+from qic.runtime.loop import Previews, denoise_loop, record_steps
 
 Request = request_class("Request", __name__, [],
                         "One edit's run options (the rows of qic.host.options the edit program takes).",
@@ -182,7 +182,7 @@ def _rope(model, grid: tuple[int, int], text_len: int, conds: _Conditions) -> tu
     return torch.cat([cos, cos.new_zeros(spare, cos.shape[1])]), torch.cat([sin, sin.new_zeros(spare, sin.shape[1])])
 
 
-def generate(model, req: Request) -> Result:
+def generate(model, req: Request, previews: Previews | None = None) -> Result:
     timings: dict[str, float] = {}
     t = time.perf_counter()
     req, images, sized, fitted = _defaults(model, req)
@@ -215,7 +215,8 @@ def generate(model, req: Request) -> Result:
     def step(i, x, timestep, sigma, sigma_next):
         return graph(x, text, text_mask, timestep, sigma, sigma_next, *guidance, conds.latents, conds.mask,
                      cos, sin)[0]
-    x = denoise_loop(step, noise, schedule, record_steps(timings))
+    x = denoise_loop(step, noise, schedule, record_steps(timings), previews=previews,
+                     decode=lambda x0: [to_pil(model.graph("vae_decoder", (h, w))(x0)[0])])
 
     t = time.perf_counter()
     image = model.graph("vae_decoder", (h, w))(x.float())[0]

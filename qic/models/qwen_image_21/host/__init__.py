@@ -57,7 +57,7 @@ from qic.models.qwen_image_21.host.sampling import (
 )
 from qic.models.qwen_image_21.host.sequence import TEXT, JointSequence, prefix_inputs, prefix_sizes, rope_tables
 from qic.parallel.mesh import from_each_branch
-from qic.runtime.loop import denoise_loop, record_steps
+from qic.runtime.loop import Previews, denoise_loop, record_steps
 
 # One image's run options: the rows of qic.host.options this program takes (steps None: the checkpoint's
 # sample_sigmas, else the pipeline's 40; guidance None: the pipeline's true_cfg_scale default, 1, CFG off;
@@ -174,7 +174,7 @@ def _branch(model, encoder, ids: list[int], bucket: int, target: tuple[int, int]
     return _Branch(text, index, block_ids, key_valid.long(), cos, sin)
 
 
-def generate(model, req: Request) -> Result:
+def generate(model, req: Request, previews: Previews | None = None) -> Result:
     timings: dict[str, float] = {}
     t = time.perf_counter()
     images = read_images(req.image, model.manifest.get("conditions") or {})
@@ -221,7 +221,8 @@ def generate(model, req: Request) -> Result:
         return latents.float() + (sigma_next - sigma) * pred
 
     latents = denoise_loop(step, initial_noise(req.seed, model.latents["z_dim"], h, w), sched,
-                           on_step=record_steps(timings))
+                           on_step=record_steps(timings), previews=previews,
+                           decode=lambda x0: [to_images(model.graph("vae_decoder", (h, w))(x0)[0])[0]])
 
     t = time.perf_counter()
     (pixels,) = model.graph("vae_decoder", (h, w))(latents)
