@@ -116,12 +116,12 @@ def rewritten_bundle(src, dst, component: str | None = None, edit=None, manifest
     dst = Path(dst)
     shutil.copytree(src, dst)
     m = json.loads((dst / "manifest.json").read_text())
-    if edit is not None:
-        rel = next(g["weights"][0] for g in m["graphs"] if g["component"] == component)
-        tensors = edit(load_file(str(dst / rel)))
-        (dst / rel).unlink()   # a copy may share the session bundle's inode (hard links): never write through it
-        save_file(tensors, str(dst / rel))
-        m["files"][rel] = file_entry(dst, rel)
+    if edit is not None:   # every rank's file of a tensor-parallel component
+        for rel in sorted({f for g in m["graphs"] if g["component"] == component for f in g["weights"]}):
+            tensors = edit(load_file(str(dst / rel)))
+            (dst / rel).unlink()   # a copy may share the session bundle's inode (hard links): never write through it
+            save_file(tensors, str(dst / rel))
+            m["files"][rel] = file_entry(dst, rel)
     m = manifest(m) if manifest is not None else m
     (dst / "manifest.json").write_text(json.dumps(finalize({k: v for k, v in m.items() if k != "id"})))
     return dst
@@ -262,7 +262,7 @@ def check_previews(run) -> None:
     the check can tell a preview from the image."""
     import numpy as np
     seen = []
-    result = run(lambda step, steps, decode: seen.append((step, steps, decode()[0])))
+    result = run(lambda step, steps, decode: seen.append((step, steps, decode([0])[0])))
     steps = seen[0][1]
     assert [(s, n) for s, n, _ in seen] == [(i, steps) for i in range(steps)], [(s, n) for s, n, _ in seen]
 

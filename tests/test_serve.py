@@ -624,7 +624,11 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle, tmp_path):
 
 
 def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, tmp_path):
-    srv = ServeProcess(bundle_tp2, tmp_path / "serve.log", "--tp", 2)
+    # A named weight set (a FAKE other bundle: both ranks' denoiser weights x 1.05): each rank maps it, and a
+    # request for it draws `qic run --tp 2 --weights`'s PNG.
+    other = rewritten_bundle(bundle_tp2, tmp_path / "other", "denoiser",
+                             lambda sd: {k: v * 1.05 for k, v in sd.items()})
+    srv = ServeProcess(bundle_tp2, tmp_path / "serve.log", "--tp", 2, "--weights", f"x105={other}")
     try:
         ranks = psutil.Process(srv.proc.pid).children()
         assert len(ranks) >= 2   # the spawned ranks (and multiprocessing's helper, if any)
@@ -641,6 +645,11 @@ def test_tp2_server_matches_qic_run_and_stops_all_ranks_on_sigterm(bundle_tp2, t
         assert status == 200 and [e["type"] for e in events] == ["image_generation.partial_image",
                                                                  "image_generation.completed"], text[:300]
         assert base64.b64decode(events[1]["b64_json"]) == (tmp_path / "run.png").read_bytes()
+        status, _, body = gen(srv.port, seed=4, model="x105")
+        assert status == 200
+        qic("run", bundle_tp2, "--tp", 2, "--weights", other, "--prompt", "a red bicycle", "--steps", STEPS,
+            "--seed", 4, "--output", tmp_path / "x105.png")
+        assert png_of(body) == (tmp_path / "x105.png").read_bytes() != (tmp_path / "run.png").read_bytes()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(60) == 0, srv.log_path.read_text()
         psutil.wait_procs(ranks, timeout=10)
@@ -766,6 +775,50 @@ def test_serve_runs_with_another_bundles_weights_as_qic_run_does(server, bundle,
     assert "weights" not in texts[1]
     pixels = [np.asarray(Image.open(io.BytesIO(png_of(b))), dtype=np.int16) for b in (body, plain)]
     assert np.abs(pixels[0] - pixels[1]).max() > 8
+
+
+def test_named_weight_sets_are_models_picked_per_request_and_mapped_within_the_budget(server, bundle, tmp_path):
+    """--weights NAME=BUNDLE twice (two FAKE other bundles: the denoiser's weights x 1.05 and x 0.95), with a budget
+    that maps one named set at a time: /v1/models lists the bundle's own and both; each request's `model` draws
+    `qic run --weights`'s PNG for its set byte for byte (the bundle's own: the plain server's), after sets were
+    unmapped and mapped again as the requests alternate; an unknown model is a 400 naming the served ones; a set
+    whose tensors do not fit the graphs is one line at start."""
+    from qic.serve.weight_sets import weight_bytes
+    sets = {name: rewritten_bundle(bundle, tmp_path / name, "denoiser",
+                                   lambda sd, f=f: {k: v * f for k, v in sd.items()})
+            for name, f in (("x105", 1.05), ("x095", 0.95))}
+    budget = 1.5 * weight_bytes(sets["x105"], 0) / 2**30   # GiB: one named set fits, two do not
+    srv = ServeProcess(bundle, tmp_path / "serve.log", "--weights", f"x105={sets['x105']}",
+                       "--weights", f"x095={sets['x095']}", "--weights-budget", repr(budget))
+    try:
+        status, _, listed = request(srv.port, "GET", "/v1/models")
+        assert [m["id"] for m in listed["data"]] == [bundle.name, "x105", "x095"]
+        served = {}
+        for model in ("x105", "x095", None, "x105"):
+            status, _, body = gen(srv.port, seed=6, **({"model": model} if model else {}))
+            assert status == 200, body
+            served.setdefault(model, []).append(png_of(body))
+        status, _, body = gen(srv.port, model="nope")
+        assert status == 400 and body["error"]["param"] == "model" and "'x105', 'x095'" in body["error"]["message"]
+    finally:
+        srv.close()
+    log = srv.log_path.read_text()
+    # mapped at start (x105, then x095, which unmaps x105), then by the requests: x105, x095, and x105 again
+    import re
+    mapped = re.findall(r"^mapped weight set (\w+)", log, re.M)
+    assert mapped == ["x105", "x095", "x105", "x095", "x105"], log
+    assert "unmapped weight set x105" in log and "unmapped weight set x095" in log
+    for name, path in sets.items():
+        qic("run", bundle, "--weights", path, "--prompt", "a red bicycle", "--steps", STEPS, "--seed", 6,
+            "--output", tmp_path / f"{name}.png")
+        assert all(png == (tmp_path / f"{name}.png").read_bytes() for png in served[name]), name
+    assert served["x105"][0] != served["x095"][0]
+    assert served[None][0] == png_of(gen(server.port, seed=6)[2])
+    bad = rewritten_bundle(bundle, tmp_path / "bad", "denoiser", lambda sd: {k: v[..., :1].contiguous() if v.ndim == 2
+                                                                             else v for k, v in sd.items()})
+    proc = qic("serve", bundle, "--port", "0", "--weights", f"bad={bad}", check=False)
+    assert proc.returncode != 0 and "graph signatures differ" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr
 
 
 @pytest.mark.parametrize("flags, says", [(["--device", "neuron"], "runs on device cpu or cuda, not 'neuron'"),

@@ -33,9 +33,10 @@ class PreviewingRunner(FakeRunner):
     def run(self, reqs, previews=None):
         if previews is not None:
             for step in range(STEPS):
-                def decode(step=step):
-                    self.decoded.append(step)
-                    return [Image.new("RGB", (4, 4), (j, step, 0)) for j in range(len(reqs))]
+                def decode(wanted, step=step):
+                    self.decoded.append((step, wanted))
+                    return [Image.new("RGB", (4, 4), (j, step, 0)) if j in wanted else None
+                            for j in range(len(reqs))]
                 previews(step, STEPS, decode)
         return super().run(reqs)
 
@@ -65,7 +66,7 @@ def test_openai_client_streams_partial_images_then_the_completed_one():
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     assert [pixel(e.b64_json)[:2] for e in events[:2]] == [(0, 1), (0, 3)]   # steps 1 and 3 of 6
-    assert runner.decoded == [1, 3]                                         # no other step was decoded
+    assert runner.decoded == [(1, [0]), (3, [0])]                           # no other step was decoded
     assert base64.b64decode(events[2].b64_json) == b"seed 5"                # the runner's own output, untouched
     assert events[2].size == SIZE and events[2].output_format == "png"
 
@@ -101,6 +102,7 @@ def test_a_batch_streams_each_request_its_own_images():
     assert runner.batches == [[1], [2, 3]]
     assert [e.type for e in streamed] == ["image_generation.partial_image", "image_generation.completed"]
     assert pixel(streamed[0].b64_json)[:2] == (1, 2)   # request 1 of the batch, step 2 of 6
+    assert runner.decoded == [(2, [1])]                # only the streaming request's picture was decoded
     assert base64.b64decode(streamed[1].b64_json) == b"seed 3"
 
 
@@ -128,7 +130,7 @@ def test_a_failed_run_after_the_stream_began_is_an_error_event_the_client_raises
 
     class Failing(PreviewingRunner):
         def run(self, reqs, previews=None):
-            previews(1, STEPS, lambda: [Image.new("RGB", (4, 4))])
+            previews(1, STEPS, lambda wanted: [Image.new("RGB", (4, 4))])
             raise RuntimeError("the decoder broke")
 
     with ThreadServer(Failing()) as srv:
@@ -177,3 +179,21 @@ def test_a_client_that_leaves_a_stream_cancels_its_queued_request():
         runner.gate.set()
         first.join(30)
     assert runner.batches == [[1]]   # seed 2 never ran
+
+
+def test_a_failed_preview_ends_the_partial_images_not_the_batch():
+    """A preview that raises (a decode failing) is logged and stops that batch's partial images; the images
+    themselves are still made and the stream ends with the completed one."""
+    class BrokenDecoder(PreviewingRunner):
+        def run(self, reqs, previews=None):
+            def decode(wanted):
+                raise RuntimeError("decoder out of memory")
+            for step in range(STEPS):
+                previews(step, STEPS, decode)
+            return FakeRunner.run(self, reqs)
+
+    with ThreadServer(BrokenDecoder()) as srv:
+        events = list(client_of(srv.port).images.generate(prompt="x", size=SIZE, stream=True, partial_images=3,
+                                                          extra_body={"seed": 4}))
+    assert [e.type for e in events] == ["image_generation.completed"]
+    assert base64.b64decode(events[0].b64_json) == b"seed 4"

@@ -159,6 +159,22 @@ def _load_options(fn):
     return fn
 
 
+# qic serve's --weights: repeatable, BUNDLE as qic run's, or NAME=BUNDLE, a weight set served as a model of its own.
+_SERVE_WEIGHTS = click.option(
+    "--weights", "weights_from", multiple=True,
+    help="BUNDLE: run with another bundle's weights, as qic run's --weights. NAME=BUNDLE (repeatable): also serve "
+         "that bundle's weights through the same graphs as model NAME (a request's `model` picks it; /v1/models "
+         "lists them).")
+
+
+def _serve_load_options(fn):
+    """_load_options with qic serve's --weights in place of qic run's."""
+    device, _, verify_all = _LOAD_OPTIONS
+    for option in (verify_all, _SERVE_WEIGHTS, device):
+        fn = option(fn)
+    return fn
+
+
 @main.command("build")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @_build_options
@@ -317,11 +333,19 @@ def doctor_command(as_json):
 @click.option("--max-n", type=int, default=4, show_default=True, help="Most images one request may ask for.")
 @click.option("--max-batch", type=int, default=8, show_default=True,
               help="Most compatible images run as one batch, where the bundle has graphs for it.")
-@_load_options
+@_serve_load_options
+@click.option("--weights-budget", type=float, default=None,
+              help="GiB of named weight sets (--weights NAME=BUNDLE) kept mapped at once; past it the least recently "
+                   "used is unmapped (default: all stay).")
 @_friendly
-def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, **load):
+def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, weights_budget, **load):
     """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
     from qic.cli.serve import run_serve
     from qic.serve.settings import Settings
-    run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch), load)
+    from qic.serve.weight_sets import parse_weights
+    load["weights_from"], named = parse_weights(load.get("weights_from"))
+    if weights_budget is not None and not weights_budget > 0:
+        raise click.UsageError("--weights-budget must be a positive number of GiB")
+    run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch), load,
+              {"named": named, "budget": None if weights_budget is None else weights_budget * 2**30})
 

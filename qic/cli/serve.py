@@ -37,8 +37,10 @@ def _check_servable(manifest: dict) -> None:
                           "admit its requests", "run it with `qic run`")
 
 
-def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, load: dict | None = None) -> None:
-    """load: how the bundle is loaded, as `qic run` takes it (device, weights_from, verify_all: Bundle's)."""
+def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, load: dict | None = None,
+              sets: dict | None = None) -> None:
+    """load: how the bundle is loaded, as `qic run` takes it (device, weights_from, verify_all: Bundle's). sets:
+    the named weight sets served beside it ({"named": {name: bundle}, "budget": bytes or None})."""
     load = {k: v for k, v in (load or {}).items() if v is not None}
     ranks = bundle_world(bundle_path, tp, "serve")
     _check_servable(read_manifest(Path(bundle_path)))
@@ -51,10 +53,10 @@ def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, 
     if not settings.timeout > 0:
         raise ConfigError("--timeout must be a positive number of seconds")
     if ranks == 1:
-        serve_rank(0, 1, bundle_path, host, port, settings, load)
+        serve_rank(0, 1, bundle_path, host, port, settings, load, sets)
         return
     signal.signal(signal.SIGTERM, _forward_to_ranks)
-    spawn_ranks(serve_rank, ranks, bundle_path, host, port, settings, load, timeout=None, notify=PEER_DIED)
+    spawn_ranks(serve_rank, ranks, bundle_path, host, port, settings, load, sets, timeout=None, notify=PEER_DIED)
 
 
 def _forward_to_ranks(sig, frame) -> None:
@@ -66,7 +68,7 @@ def _forward_to_ranks(sig, frame) -> None:
 
 
 def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, settings,
-               load_options: dict | None = None) -> None:
+               load_options: dict | None = None, sets: dict | None = None) -> None:
     if rank > 0:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -75,11 +77,13 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
         sock = _bind(host, port)
 
     from qic.serve.queue import compute_thread
-    from qic.serve.runner import BundleRunner, control_group, follow, load, load_and_warm, warm
+    from qic.serve.runner import BundleRunner, control_group, follow, load, load_and_warm, warm, weight_sets
+    sets = sets or {}
 
     if rank > 0:   # nothing else to do here: load, warm with the others, then follow rank 0
         bundle = load_and_warm(bundle_path, rank, world, **(load_options or {}))
-        follow(bundle, control_group(world))
+        named = weight_sets(bundle, rank, world, load_options or {}, sets.get("named"), sets.get("budget"))
+        follow(bundle, control_group(world), named)
         return
 
     import uvicorn
@@ -94,9 +98,10 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
     # failure stops the server as a dead rank does), and /health says ready once they are done.
     compute = compute_thread()
     bundle, loaded = load(bundle_path, rank, world, compute, **(load_options or {}))
-    runner = BundleRunner(bundle, None, executor=compute)
+    named = weight_sets(bundle, rank, world, load_options or {}, sets.get("named"), sets.get("budget"), compute)
+    runner = BundleRunner(bundle, None, executor=compute, sets=named)
     log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s; batch sizes "
-             f"{list(runner.batch_sizes)} (up to --max-batch {settings.max_batch})")
+             f"{list(runner.batch_sizes)} (up to --max-batch {settings.max_batch}); models {', '.join(runner.models)}")
 
     def warm_up() -> None:   # on the compute thread, ahead of any batch (Scheduler.start)
         t = time.perf_counter()

@@ -245,9 +245,9 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
     else:
         if share:   # one text row an image (the no-CFG graph): this group's images' rows
             text, text_mask = text[lo:hi], text_mask[lo:hi]
-        def decode(x0):   # this rank's images [lo, hi) of the batch's n
-            held = [to_pil(bundle.graph("vae_decoder", res)(x0[j:j + 1])[0]) for j in range(x0.shape[0])]
-            return [None] * lo + held + [None] * (n - hi)
+        def decode(x0, wanted):   # the wanted images of the batch's n that this rank holds ([lo, hi))
+            return [to_pil(bundle.graph("vae_decoder", res)(x0[j - lo:j - lo + 1])[0])
+                    if j in wanted and lo <= j < hi else None for j in range(n)]
         x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times,
                                 blend, previews and (previews, decode))
     if share:

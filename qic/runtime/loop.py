@@ -24,19 +24,21 @@ from qic.host.schedule import Schedule
 Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# previews(i, steps, decode) after step i of `steps`: decode() gives the images the step predicts (a list, one per
-# image of the batch; None for an image this rank does not hold), decoded only if called.
-Previews = Callable[[int, int, Callable[[], list]], None]
+# previews(i, steps, decode) after step i of `steps`: decode(wanted) gives the pictures the step predicts for the
+# batch's images `wanted` (indices), as a list over the whole batch (None for an image not wanted or not held by this
+# rank), decoded only if called.
+Previews = Callable[[int, int, Callable[[list[int]], list]], None]
 
 
 def denoise_loop(step: Step, x: torch.Tensor, schedule: Schedule,
                  on_step: Callable[[int, float], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  previews: Previews | None = None,
-                 decode: Callable[[torch.Tensor], list] | None = None) -> torch.Tensor:
+                 decode: Callable[[torch.Tensor, list[int]], list] | None = None) -> torch.Tensor:
     """Every step of `schedule` over latents x; returns the final latents. on_step(i, seconds): step i's time
     as `clock` measured it around the step call (what the caller records; nothing by default). previews: called
-    after each step with the step's predicted clean latents decoded by `decode` (latents -> images) on demand."""
+    after each step with the step's predicted clean latents decoded by `decode` ((latents, wanted) -> images, one
+    per batch image, None where not wanted) on demand."""
     steps = len(schedule.timesteps)
     for i, t in enumerate(schedule.timesteps):
         t0 = clock()
@@ -45,8 +47,8 @@ def denoise_loop(step: Step, x: torch.Tensor, schedule: Schedule,
         if on_step is not None:
             on_step(i, clock() - t0)
         if previews is not None:
-            previews(i, steps, lambda x=x, x_next=x_next, sigma=sigma, sigma_next=sigma_next:
-                     decode(predicted_clean(x, x_next, sigma, sigma_next)))
+            previews(i, steps, lambda wanted, x=x, x_next=x_next, sigma=sigma, sigma_next=sigma_next:
+                     decode(predicted_clean(x, x_next, sigma, sigma_next), wanted))
         x = x_next
     return x
 

@@ -104,13 +104,17 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
     # A streamed request's partial images by id() of its Request (the scheduler's item): added on the event loop
     # before the request queues, read on the runner's thread while its batch runs.
     partials: dict[int, PartialImages] = {}
+    # The model (weight set) of each queued request by id() of its Request, where it is not the bundle's own
+    # (qic.serve.weight_sets); set and read as `partials` is.
+    models_of: dict[int, str] = {}
 
     def run_batch(items: list) -> list:   # on the runner's thread: one batch, and what it cost
         if clock is not None:
             clock.take()   # drop what ran outside a batch (the warm-up)
         t = time.perf_counter()
-        previews = batch_previews([partials.get(id(item)) for item in items])
-        out = runner.run(items) if previews is None else runner.run(items, previews=previews)
+        hooks = {"previews": batch_previews([partials.get(id(item)) for item in items]),
+                 "model": models_of.get(id(items[0]))}   # one model a batch: it is in the batch key
+        out = runner.run(items, **{k: v for k, v in hooks.items() if v is not None})
         metrics.batch(len(items), time.perf_counter() - t, clock.take() if clock is not None else {})
         return out
 
@@ -187,8 +191,8 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": runner.model_id, "object": "model", "created": runner.created,
-                                             "owned_by": "qic"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": runner.created,
+                                             "owned_by": "qic"} for name in served_models(runner)]}
 
     @app.post("/v1/images/generations")
     async def generations(body: ImageRequest, request: Request):
@@ -197,6 +201,16 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
         if body.stream:
             return _stream(body, items, request, "image_generation")
         return await _serve(body, items, request)
+
+    def _route(body, items) -> None:
+        """Remember the requests' model, if not the bundle's own, for run_batch."""
+        if body.model is not None and body.model != runner.model_id:
+            models_of.update({id(req): body.model for req, _ in items})
+
+    def _unroute(items) -> None:
+        for req, _ in items:
+            models_of.pop(id(req), None)
+            partials.pop(id(req), None)
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
@@ -238,6 +252,13 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
 
     async def _serve(body, items, request: Request):
         log = request.state.log
+        _route(body, items)
+        try:
+            return await _answer(body, items, request, log)
+        finally:
+            _unroute(items)
+
+    async def _answer(body, items, request: Request, log: dict):
         jobs = _submit(body, items, log)
         outcome = await _wait(request, [j.future for j in jobs], settings.timeout)
         started = _log_start(jobs, log)
@@ -276,12 +297,16 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
         req = items[0][0]
         sink = PartialImages(body.partial_images, asyncio.get_running_loop())
         partials[id(req)] = sink
+        _route(body, items)
         try:
             (job,) = _submit(body, items, log)
         except BaseException:
-            partials.pop(id(req), None)
+            _unroute(items)
             raise
         size = body.size if body.size != "auto" else f"{req.width}x{req.height}"
+        # If the generator below never starts (the response is dropped before it is sent), its finally cannot
+        # clean up: the job's end does (its batch has run by then, and reads them no more).
+        job.future.add_done_callback(lambda _: _unroute(items))
 
         async def events():
             sent = 0
@@ -297,18 +322,28 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                         sent += 1
                         yield image_event(kind, png, size, index)
                         continue
+                    waiting.cancel()
                     if not done:
                         log["error"] = "timeout"
+                        _log_start([job], log)
                         yield error_event(f"no image within the server's {settings.timeout:g} s timeout",
                                           "timeout_error", "timeout")
                         return
-                    while not sink.queue.empty():   # the partial images queued before the run returned
+                    # The partial images were queued before the run returned (the future is set after it), so
+                    # none comes later: what is queued now is all of them.
+                    while not sink.queue.empty():
                         index, png = sink.queue.get_nowait()
                         sent += 1
                         yield image_event(kind, png, size, index)
                     try:
                         png = job.future.result()
+                    except asyncio.CancelledError:   # the server stopped before it ran
+                        log["error"] = "cancelled: the server is stopping"
+                        yield error_event("the server stopped before the image was made", "server_error",
+                                          "unavailable")
+                        return
                     except Exception as e:
+                        _log_start([job], log)
                         log["error"] = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}"
                         metrics.images.labels("error").inc()
                         yield (error_event(f"the server can make no more images: {e}", "server_error", "unavailable")
@@ -323,7 +358,8 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
             finally:
                 if waiting is not None:
                     waiting.cancel()
-                partials.pop(id(req), None)
+                sink.closed = True   # a batch still running makes no more for it
+                _unroute(items)
                 log["partial_images"] = sent
                 if not job.future.done():   # the client went away (or the stream timed out)
                     log["cancelled_queued"] = int(scheduler.cancel(job))
@@ -427,8 +463,10 @@ def _plan(runner, settings: Settings, body: ImageRequest, extra: dict | None = N
     if body.n > settings.queue:
         raise ApiError(400, f"n is {body.n}, but this server's queue holds at most {settings.queue} images "
                             f"(--queue {settings.queue}); ask for fewer or start it with a larger --queue", "n")
-    if body.model is not None and body.model != runner.model_id:
-        raise ApiError(400, f"model {body.model!r} is not served here; it serves {runner.model_id!r}", "model")
+    served = served_models(runner)
+    if body.model is not None and body.model not in served:
+        raise ApiError(400, f"model {body.model!r} is not served here; it serves {', '.join(map(repr, served))}",
+                       "model")
     if body.size == "auto":
         height = width = None
     elif body.size in runner.sizes:
@@ -457,8 +495,13 @@ def _plan(runner, settings: Settings, body: ImageRequest, extra: dict | None = N
             key = runner.plan(req)
         except QicError as e:
             raise ApiError(400, e.message, "prompt" if "prompt" in e.message else None) from None
-        items.append((req, key))
+        items.append((req, (body.model or runner.model_id, key)))   # one weight set a batch
     return items
+
+
+def served_models(runner) -> list[str]:
+    """The model names a runner serves: the bundle's own first, then its named weight sets."""
+    return list(getattr(runner, "models", None) or [runner.model_id])
 
 
 async def _wait(request: Request, futures: list[asyncio.Future], timeout: float) -> str:

@@ -45,6 +45,10 @@ class StageClock:
     def __init__(self, bundle):
         self._seconds: dict[str, float] = defaultdict(float)
         self._lock = threading.Lock()
+        self.watch(bundle)
+
+    def watch(self, bundle) -> None:
+        """Time `bundle`'s graphs too (a weight set loaded later: qic.serve.weight_sets)."""
         for (component, _), graph in bundle.graphs.items():   # a second clock on a bundle replaces the first
             graph.run = self._timed(getattr(graph.run, "untimed", graph.run), component)
 

@@ -62,6 +62,24 @@ def load_and_warm(path, rank: int, world: int, **options) -> Bundle:
     return bundle
 
 
+def weight_sets(bundle: Bundle, rank: int, world: int, load: dict, named: dict, budget: float | None,
+                compute: ThreadPoolExecutor | None = None):
+    """The named weight sets served beside the bundle's own (qic.serve.weight_sets.WeightSets; None without any),
+    each loaded once now, in order, on `compute` (None: this thread): a set that does not fit the graphs is one line
+    before the port opens, and every rank loads the same sets in the same order. `load`: the load options of the
+    bundle (device, verify_all; each set is its own weights_from)."""
+    if not named:
+        return None
+    from qic.serve.weight_sets import WeightSets
+    options = {k: v for k, v in load.items() if k != "weights_from"}
+
+    def load_set(path):
+        return Bundle(bundle.path, rank=rank, world=world, weights_from=path, **options)
+    sets = WeightSets(bundle, bundle.path.resolve().name, named, load_set, budget, rank)
+    compute.submit(sets.check_all).result() if compute else sets.check_all()
+    return sets
+
+
 def control_group(world: int):
     """A gloo group for passing batches from rank 0 (None at tp=1). Every rank calls it, in order."""
     if world == 1:
@@ -70,8 +88,9 @@ def control_group(world: int):
     return new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def follow(bundle: Bundle, group) -> None:
-    """A rank above 0: run each batch rank 0 sends, until it sends None (its server has stopped)."""
+def follow(bundle: Bundle, group, sets=None) -> None:
+    """A rank above 0: run each batch rank 0 sends (its requests and the model whose weights run them: this rank's
+    WeightSets `sets` maps the named ones as rank 0's does), until it sends None (its server has stopped)."""
     import torch.distributed as dist
     program = program_of(bundle.manifest)
     while True:
@@ -79,12 +98,16 @@ def follow(bundle: Bundle, group) -> None:
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             return
-        run_batch(program, bundle, box[0])
+        reqs, model = box[0]
+        run_batch(program, bundle if model is None else sets.get(model), reqs)
 
 
 class BundleRunner:
-    def __init__(self, bundle: Bundle, group=None, executor: ThreadPoolExecutor | None = None):
+    def __init__(self, bundle: Bundle, group=None, executor: ThreadPoolExecutor | None = None, sets=None):
+        """sets: qic.serve.weight_sets.WeightSets, the named weight sets served beside the bundle's own (None:
+        only its own)."""
         self.bundle = bundle
+        self.sets = sets
         self.program = program_of(bundle.manifest)   # the family's host program, as qic run runs it
         self.group = group   # the control group when tensor-parallel
         self.executor = executor   # the thread the bundle was loaded and warmed on; run() is called there
@@ -95,6 +118,7 @@ class BundleRunner:
         # OpenAI sizes are WIDTHxHEIGHT; the bundle lists (height, width).
         self.sizes = {f"{w}x{h}": (h, w) for h, w in bundle.resolutions}
         self.stage_clock = StageClock(bundle)   # seconds per component's graphs, for /metrics
+        self.models = sets.names if sets is not None else [self.model_id]   # the first: the bundle's own
         # Why this bundle streams no partial images (None: it does). Rank 0 alone decodes them (the decoder graph
         # has no collectives), which ranks run in lockstep cannot allow.
         self.no_partials = None
@@ -109,24 +133,32 @@ class BundleRunner:
         requests with equal keys run the same graphs with the same scalars' shapes."""
         return self.program.plan(self.bundle, req)
 
-    def run(self, reqs: list, previews=None) -> list[bytes]:
-        """PNG bytes per request. previews: qic.runtime.loop's, on this rank only (streamed partial images)."""
+    def run(self, reqs: list, previews=None, model: str | None = None) -> list[bytes]:
+        """PNG bytes per request. previews: qic.runtime.loop's, on this rank only (streamed partial images). model:
+        the weight set that runs them (None: the bundle's own)."""
         if len(reqs) not in self.batch_sizes:
             raise RuntimeError(f"batch of {len(reqs)}: this runner runs {self.batch_sizes}")
+        model = None if model == self.model_id else model
         if self.group is None:
-            return self._run(reqs, previews)
+            return self._run(self._bundle(model), reqs, previews)
         import torch.distributed as dist
         try:
-            dist.broadcast_object_list([reqs], src=0, group=self.group)
-            return self._run(reqs, previews)
+            dist.broadcast_object_list([(reqs, model)], src=0, group=self.group)
+            return self._run(self._bundle(model), reqs, previews)
         except Exception as e:
             # Every rank ran this batch: whatever failed here failed on the others too, or a collective
             # broke (a rank died). Either way the ranks are out of step for good.
             raise Unavailable(f"a tensor-parallel batch failed ({type(e).__name__}: {e})") from e
 
-    def _run(self, reqs: list, previews=None) -> list[bytes]:
-        return [png_bytes(r, self.bundle.id, self.bundle.weights_id)
-                for r in run_batch(self.program, self.bundle, reqs, previews)]
+    def _bundle(self, model: str | None) -> Bundle:
+        if model is None:
+            return self.bundle
+        bundle = self.sets.get(model)
+        self.stage_clock.watch(bundle)
+        return bundle
+
+    def _run(self, bundle: Bundle, reqs: list, previews=None) -> list[bytes]:
+        return [png_bytes(r, bundle.id, bundle.weights_id) for r in run_batch(self.program, bundle, reqs, previews)]
 
     def close(self) -> None:
         """Release the other ranks (tensor-parallel): nothing more will come."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import time
 
 MAX_PARTIALS = 3   # the API's range: 0-3
+log = logging.getLogger("qic.serve")
 
 
 def partial_steps(count: int, steps: int) -> dict[int, int]:
@@ -32,14 +34,18 @@ class PartialImages:
         self.count = count
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False   # its stream has ended (client gone, timed out): make no more
 
     def index(self, step: int, steps: int) -> int | None:
-        return partial_steps(self.count, steps).get(step)
+        return None if self.closed else partial_steps(self.count, steps).get(step)
 
     def send(self, index: int, image) -> None:
         buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, buf.getvalue()))
+        image.save(buf, format="PNG", compress_level=1)   # on the compute thread: the fastest of zlib's levels
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, buf.getvalue()))
+        except RuntimeError:   # the loop has closed (the server is gone): nobody reads it
+            self.closed = True
 
 
 def batch_previews(sinks: list[PartialImages | None]):
@@ -53,10 +59,15 @@ def batch_previews(sinks: list[PartialImages | None]):
         wanted = [(j, k) for j, k in wanted if k is not None]
         if not wanted:
             return
-        images = decode()
-        for j, k in wanted:
-            if images[j] is not None:   # None: another rank's image (CFG-parallel's halves); that one streams fewer
-                sinks[j].send(k, images[j])
+        try:
+            images = decode([j for j, _ in wanted])
+            for j, k in wanted:
+                if images[j] is not None:   # None: another rank's image (CFG-parallel's halves): it streams fewer
+                    sinks[j].send(k, images[j])
+        except Exception:   # a preview is not worth the batch: its images, and at tp > 1 the server, go on
+            log.exception(f"partial images after step {step} failed; the batch's streams get no more")
+            for j, _ in wanted:
+                sinks[j].closed = True
     return previews
 
 
@@ -70,7 +81,7 @@ def image_event(kind: str, png: bytes, size: str, partial_index: int | None = No
     import base64
     data = {"type": f"{kind}.partial_image" if partial_index is not None else f"{kind}.completed",
             "b64_json": base64.b64encode(png).decode("ascii"), "created_at": int(time.time()), "size": size,
-            "quality": "auto", "background": "opaque", "output_format": "png"}
+            "quality": "auto", "background": "auto", "output_format": "png"}
     if partial_index is not None:
         data["partial_image_index"] = partial_index
     return event(data)

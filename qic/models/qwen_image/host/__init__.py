@@ -216,7 +216,7 @@ def generate(model, req: Request, previews: Previews | None = None) -> Result:
         return graph(x, text, text_mask, timestep, sigma, sigma_next, *guidance, conds.latents, conds.mask,
                      cos, sin)[0]
     x = denoise_loop(step, noise, schedule, record_steps(timings), previews=previews,
-                     decode=lambda x0: [to_pil(model.graph("vae_decoder", (h, w))(x0)[0])])
+                     decode=lambda x0, wanted: [to_pil(model.graph("vae_decoder", (h, w))(x0)[0])])
 
     t = time.perf_counter()
     image = model.graph("vae_decoder", (h, w))(x.float())[0]

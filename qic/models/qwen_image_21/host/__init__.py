@@ -222,7 +222,7 @@ def generate(model, req: Request, previews: Previews | None = None) -> Result:
 
     latents = denoise_loop(step, initial_noise(req.seed, model.latents["z_dim"], h, w), sched,
                            on_step=record_steps(timings), previews=previews,
-                           decode=lambda x0: [to_images(model.graph("vae_decoder", (h, w))(x0)[0])[0]])
+                           decode=lambda x0, wanted: [to_images(model.graph("vae_decoder", (h, w))(x0)[0])[0]])
 
     t = time.perf_counter()
     (pixels,) = model.graph("vae_decoder", (h, w))(latents)
