@@ -121,15 +121,16 @@ def main(argv: list[str] | None = None) -> None:
 class Server:
     """`qic serve BUNDLE` on a free loopback port, for a `with` block; stderr (the access log) to a file."""
 
-    def __init__(self, bundle: Path, queue: int, log: Path):
-        self.bundle, self.queue, self.log_path = bundle, queue, log
+    def __init__(self, bundle: Path, queue: int, log: Path, extra: list[str] = ()):
+        self.bundle, self.queue, self.log_path, self.extra = bundle, queue, log, list(extra)
 
     def __enter__(self):
         t = time.perf_counter()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "qic.cli", "serve", str(self.bundle), "--port", "0",
-                                      "--queue", str(self.queue)], stdout=subprocess.PIPE, stderr=self.log, text=True)
+                                      "--queue", str(self.queue), *self.extra], stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True)
         self.port = int(self.proc.stdout.readline().rsplit(":", 1)[1])
         while True:   # /health is 503 while the server warms up (after the address line), 200 once ready
             try:

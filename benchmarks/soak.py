@@ -3,12 +3,17 @@
     python -m benchmarks.soak [--bundle DIR | --preset tiny] [--seconds 600] [--clients 8] [--steps 2] [--queue 8]
     python -m benchmarks.soak --smoke   # 12 s, 4 clients, under a temporary directory
 
-`--clients` threads send, until `--seconds` have passed, a mix of valid requests (n 1 or 2, seeds from a
-small set), malformed ones (bad JSON, wrong types, unknown keys, out-of-range values, a wrong method),
-requests whose client hangs up before the answer, and every `--burst-every` seconds a burst of twice the
-queue at once. Then SIGTERM. Prints requests by status, p50/p99 latency of valid requests, the server's
-RSS after its first image and at the end, and checks (exit status 1 if not): no 5xx at all, every valid
-image byte-equal to `qic run`'s for the same settings, every malformed request a 4xx, exit 0 after SIGTERM.
+The server serves the bundle's own weights and two named weight sets (`--weights alt1=... --weights alt2=...`:
+the same preset written with other seeds and built with the same settings, so the build compiles nothing) under
+a `--weights-budget` that keeps one named set mapped, so requests that alternate between them unmap and map sets
+all along. `--clients` threads send, until `--seconds` have passed, a mix of valid requests (n 1 or 2, seeds from a
+small set, a model drawn from the three; a fifth of them streamed, with 0-2 partial images), malformed ones (bad
+JSON, wrong types, unknown keys, out-of-range values, a wrong method, partial images without a stream), requests
+whose client hangs up before the answer, and every `--burst-every` seconds a burst of twice the queue at once.
+Then SIGTERM. Prints requests by status, p50/p99 latency of valid requests, the server's RSS after its first
+image and at the end, and checks (exit status 1 if not): no 5xx at all, every valid image (streamed or not)
+byte-equal to `qic run`'s (with `--weights` of its set) for the same settings, every stream's events in the API's
+order, every malformed request a 4xx, exit 0 after SIGTERM.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ import psutil
 from benchmarks import parse_args, smoke_dir
 from benchmarks.serve import Server, build
 from qic.serve.client import request
+from qic.serve.weight_sets import weight_bytes
 
 PROMPT = "a red bicycle leaning against a blue wall"
+MODELS = (None, "alt1", "alt2")   # the bundle's own weights, and the two named sets
 PATH = "/v1/images/generations"
 MALFORMED = [   # (raw body or JSON object, method): each must be refused with a 4xx
     (b"{prompt: 'a cat'", "POST"),
@@ -53,6 +60,8 @@ MALFORMED = [   # (raw body or JSON object, method): each must be refused with a
     ({"prompt": "a cat", "size": "big"}, "POST"),
     ({"prompt": "a cat", "quality": "hd"}, "POST"),
     ({"prompt": "a cat", "model": "dall-e-3"}, "POST"),
+    ({"prompt": "a cat", "partial_images": 2}, "POST"),
+    ({"prompt": "a cat", "stream": True, "n": 2}, "POST"),
     ({"prompt": "a red bicycle " * 200}, "POST"),
     (None, "GET"),
 ]
@@ -72,10 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-dir", type=Path, help="qic's compile cache for the build (default: DIR/cache)")
     args = parse_args(ap, argv, {"seconds": 12, "clients": 4, "seeds": 3, "burst_every": 5.0, "dir": None})
     args.dir = args.dir or smoke_dir("soak")
-    bundle = args.bundle or build(args.preset, args.dir, cache_dir=args.cache_dir or args.dir / "cache")
-    reference = reference_pngs(bundle, args.dir, args.steps, args.seeds + 1)   # n=2 from the last seed needs +1
-
-    with Server(bundle, args.queue, args.dir / "soak-serve.log") as srv:
+    cache_dir = args.cache_dir or args.dir / "cache"
+    bundle = args.bundle or build(args.preset, args.dir, cache_dir=cache_dir)
+    sets = {name: build_like(bundle, args.preset, seed, args.dir / f"bundle-{name}", cache_dir)
+            for name, seed in (("alt1", 1), ("alt2", 2))}
+    # n=2 from the last seed needs +1; None: the bundle's own weights
+    reference = {model: reference_pngs(bundle, args.dir, args.steps, args.seeds + 1, weights)
+                 for model, weights in ((None, None), *sets.items())}
+    budget = 1.5 * weight_bytes(sets["alt1"], 0) / 2**30   # GiB: one named set mapped at a time
+    extra = [a for name, path in sets.items() for a in ("--weights", f"{name}={path}")]
+    with Server(bundle, args.queue, args.dir / "soak-serve.log", [*extra, "--weights-budget", repr(budget)]) as srv:
         proc = psutil.Process(srv.proc.pid)
         status, _, body = request(srv.port, "POST", PATH, valid_body(args.steps, 0, 1), timeout=120)
         assert status == 200, (status, body)
@@ -87,12 +102,15 @@ def main(argv: list[str] | None = None) -> None:
 
     lat = sorted(soak.latencies)
     p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
-    print(f"soak: {args.seconds:g} s, {args.clients} clients, bundle {bundle}, {args.steps} steps, "
-          f"--queue {args.queue}")
+    print(f"soak: {args.seconds:g} s, {args.clients} clients, bundle {bundle} and weight sets alt1, alt2 (one "
+          f"mapped at a time), {args.steps} steps, --queue {args.queue}")
     print("| outcome | requests |\n|---|--:|")
     for key, count in sorted(soak.outcomes.items()):
         print(f"| {key} | {count} |")
     print(f"| valid images checked byte-equal to qic run's | {soak.checked} |")
+    print(f"| of them streamed, with partial images received | {soak.streamed} ({soak.partials}) |")
+    mapped = (args.dir / "soak-serve.log").read_text().count("\nmapped weight set")
+    print(f"| named weight sets mapped (start and on demand) | {mapped} |")
     print("| measure | value |\n|---|--:|")
     print(f"| valid requests (200) latency p50 / p99 | {statistics.median(lat) * 1e3:.0f} ms / {p99 * 1e3:.0f} ms |"
           if lat else "| valid requests (200) latency p50 / p99 | none |")
@@ -106,21 +124,40 @@ def main(argv: list[str] | None = None) -> None:
         print(f"FAIL: {p}")
     if problems:
         sys.exit(1)
-    print("soak ok: no 5xx, malformed all 4xx, every valid image equal to qic run's, exit 0")
+    print("soak ok: no 5xx, malformed all 4xx, every valid image equal to qic run's, streams in order, exit 0")
 
 
-def valid_body(steps: int, seed: int, n: int) -> dict:
-    return {"prompt": PROMPT, "steps": steps, "seed": seed, "n": n}
+def valid_body(steps: int, seed: int, n: int, model: str | None = None) -> dict:
+    return {"prompt": PROMPT, "steps": steps, "seed": seed, "n": n, **({"model": model} if model else {})}
 
 
-def reference_pngs(bundle: Path, work: Path, steps: int, seeds: int) -> dict[int, str]:
-    """sha256 of `qic run --prompts-file`'s PNG for each seed, the same settings as the valid requests."""
+def build_like(bundle: Path, preset_name: str, seed: int, out: Path, cache_dir: Path) -> Path:
+    """Another weight set for `bundle`'s graphs: the preset's checkpoint written with another seed, built with the
+    bundle's own config (its graphs all come from the compile cache)."""
+    from qic.checkpoint.embedded import write_checkpoint
+    from qic.manifest import read_manifest
+    if not (out / "manifest.json").exists():
+        ckpt = write_checkpoint(out.with_name(out.name + "-ckpt"), preset_name, seed)
+        m = read_manifest(bundle)
+        flags = ["--resolution", ",".join(f"{h}x{w}" for h, w in m["resolutions"]), "--text-buckets",
+                 ",".join(str(b) for b in m["text_buckets"]) + ",", "--batch-sizes",
+                 ",".join(str(b) for b in m.get("batch_sizes") or [1])]
+        subprocess.run([sys.executable, "-m", "qic.cli", "build", "--model", str(ckpt), "--output", str(out),
+                        "--cache-dir", str(cache_dir), *flags], check=True, capture_output=True)
+    return out
+
+
+def reference_pngs(bundle: Path, work: Path, steps: int, seeds: int, weights: Path | None = None) -> dict[int, str]:
+    """sha256 of `qic run --prompts-file`'s PNG for each seed (with `weights`' set), the same settings as the valid
+    requests."""
     work.mkdir(parents=True, exist_ok=True)
+    tag = "own" if weights is None else weights.name
     lines = work / "soak-prompts.jsonl"
     lines.write_text("".join(json.dumps({"prompt": PROMPT, "steps": steps, "seed": s}) + "\n" for s in range(seeds)))
     subprocess.run([sys.executable, "-m", "qic.cli", "run", str(bundle), "--prompts-file", str(lines),
-                    "--output", str(work / "soak-ref.png")], check=True, capture_output=True)
-    return {s: hashlib.sha256((work / f"soak-ref-{s:03d}.png").read_bytes()).hexdigest() for s in range(seeds)}
+                    "--output", str(work / f"soak-ref-{tag}.png"), *(["--weights", str(weights)] if weights else [])],
+                   check=True, capture_output=True)
+    return {s: hashlib.sha256((work / f"soak-ref-{tag}-{s:03d}.png").read_bytes()).hexdigest() for s in range(seeds)}
 
 
 class Soak:
@@ -132,6 +169,7 @@ class Soak:
         self.outcomes: Counter = Counter()
         self.latencies: list[float] = []
         self.checked = 0
+        self.streamed = self.partials = 0
         self.problems: list[str] = []
 
     def run(self) -> None:
@@ -155,7 +193,9 @@ class Soak:
                 self.burst(rng)
                 continue
             pick = rng.random()
-            if pick < 0.6:
+            if pick < 0.12:
+                self.stream(rng)
+            elif pick < 0.6:
                 self.valid(rng)
             elif pick < 0.9:
                 self.malformed(rng)
@@ -165,24 +205,54 @@ class Soak:
     def valid(self, rng: random.Random, n: int | None = None) -> None:
         n = n or rng.choice((1, 1, 2))
         seed = rng.randrange(self.args.seeds)
+        model = rng.choice(MODELS)
         t = time.perf_counter()
         try:
-            status, _, body = request(self.port, "POST", PATH, valid_body(self.args.steps, seed, n), timeout=120)
+            status, _, body = request(self.port, "POST", PATH, valid_body(self.args.steps, seed, n, model), timeout=120)
         except OSError as e:
             return self.note("valid", "error", f"valid request: {type(e).__name__}: {e}")
         seconds = time.perf_counter() - t
         problem = None
         if status == 200:
             got = [hashlib.sha256(base64.b64decode(d["b64_json"])).hexdigest() for d in body["data"]]
-            want = [self.reference[seed + i] for i in range(n)]
+            want = [self.reference[model][seed + i] for i in range(n)]
             if got != want:
-                problem = f"seed {seed} n={n}: the image differs from qic run's"
+                problem = f"seed {seed} n={n} model {model}: the image differs from qic run's"
             with self.lock:
                 self.latencies.append(seconds)
                 self.checked += n
         elif status != 429:
             problem = f"valid request got {status}: {body}"
         self.note("valid", status, problem)
+
+    def stream(self, rng: random.Random) -> None:
+        """A valid request with stream: true and 0-2 partial images: partial events (at most as many as asked, in
+        index order), then the completed image, equal to qic run's."""
+        seed, model, partials = rng.randrange(self.args.seeds), rng.choice(MODELS), rng.choice((0, 1, 2))
+        body = {**valid_body(self.args.steps, seed, 1, model), "stream": True, "partial_images": partials}
+        t = time.perf_counter()
+        try:
+            status, _, text = request(self.port, "POST", PATH, body, timeout=120)
+        except OSError as e:
+            return self.note("stream", "error", f"streamed request: {type(e).__name__}: {e}")
+        seconds = time.perf_counter() - t
+        problem = None
+        if status == 200:
+            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+            kinds = [e["type"] for e in events]
+            got = [e.get("partial_image_index") for e in events[:-1]]
+            if kinds[-1:] != ["image_generation.completed"] or got != list(range(len(got))) or len(got) > partials:
+                problem = f"stream seed {seed} model {model}: events {kinds}"
+            elif hashlib.sha256(base64.b64decode(events[-1]["b64_json"])).hexdigest() != self.reference[model][seed]:
+                problem = f"stream seed {seed} model {model}: the completed image differs from qic run's"
+            with self.lock:
+                self.latencies.append(seconds)
+                self.checked += 1
+                self.streamed += 1
+                self.partials += len(got)
+        elif status != 429:
+            problem = f"streamed request got {status}: {text}"
+        self.note("stream", status, problem)
 
     def malformed(self, rng: random.Random) -> None:
         body, method = rng.choice(MALFORMED)

@@ -781,8 +781,8 @@ def test_named_weight_sets_are_models_picked_per_request_and_mapped_within_the_b
     """--weights NAME=BUNDLE twice (two FAKE other bundles: the denoiser's weights x 1.05 and x 0.95), with a budget
     that maps one named set at a time: /v1/models lists the bundle's own and both; each request's `model` draws
     `qic run --weights`'s PNG for its set byte for byte (the bundle's own: the plain server's), after sets were
-    unmapped and mapped again as the requests alternate; an unknown model is a 400 naming the served ones; a set
-    whose tensors do not fit the graphs is one line at start."""
+    unmapped and mapped again as the requests alternate, and mapping one again maps no more code; an unknown model
+    is a 400 naming the served ones; a set whose tensors do not fit the graphs is one line at start."""
     from qic.serve.weight_sets import weight_bytes
     sets = {name: rewritten_bundle(bundle, tmp_path / name, "denoiser",
                                    lambda sd, f=f: {k: v * f for k, v in sd.items()})
@@ -793,11 +793,15 @@ def test_named_weight_sets_are_models_picked_per_request_and_mapped_within_the_b
     try:
         status, _, listed = request(srv.port, "GET", "/v1/models")
         assert [m["id"] for m in listed["data"]] == [bundle.name, "x105", "x095"]
-        served = {}
+        served, maps = {}, []
         for model in ("x105", "x095", None, "x105"):
             status, _, body = gen(srv.port, seed=6, **({"model": model} if model else {}))
             assert status == 200, body
             served.setdefault(model, []).append(png_of(body))
+            maps.append(len(Path(f"/proc/{srv.proc.pid}/maps").read_text().splitlines()))
+        # a set mapped again runs the graphs' code already loaded (Graph.rebind), only its weight files are mapped:
+        # loading the code again would map another copy of every graph's library each time (it is never unloaded)
+        assert maps[3] == maps[1], maps
         status, _, body = gen(srv.port, model="nope")
         assert status == 400 and body["error"]["param"] == "model" and "'x105', 'x095'" in body["error"]["message"]
     finally:

@@ -6,9 +6,10 @@ module ever names one:
 - `build.py`: a `Backend` subclass, the build half (below);
 - `load.py`: the run half, a module with `check(bundle, manifest, device)` (refuse, before any compiled
   code is loaded, what this machine cannot run), `load(path, weights, device, rank, world, manifest)`
-  (a callable over a graph's inputs) and `describe(manifest)` (what `qic inspect` adds for it); optionally
-  LOCKSTEP_DEVICES, the devices on which it runs a multi-rank bundle's graphs in lockstep (every rank must call
-  the same graphs in the same order: qic.backends.lockstep).
+  (a callable over a graph's inputs; it may carry `rebind(weights)`, the same loaded code over other weights, which
+  a server's weight sets use instead of loading the code again) and `describe(manifest)` (what `qic inspect` adds
+  for it); optionally LOCKSTEP_DEVICES, the devices on which it runs a multi-rank bundle's graphs in lockstep
+  (every rank must call the same graphs in the same order: qic.backends.lockstep).
 
 The build half, in the order the stages call it for each graph and then once per build:
   trace(gdef, tensors) -> Traced        the graph in the form the compiler takes, and what names it

@@ -30,6 +30,7 @@ class Graph:
     inputs: list[dict]                # name, shape, dtype as exported
     shape: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)   # input name -> the tensor every call gets (RANK_INPUTS)
+    rebind: object = None             # weights -> the back end's run of the same loaded code over them, or None
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         given = iter(tensors)
@@ -46,10 +47,12 @@ class Bundle:
     seconds_loading = 0.0
 
     def __init__(self, path: str | Path, device: str | None = None, rank: int = 0, world: int = 1,
-                 verify_all: bool = False, weights_from: str | Path | None = None):
+                 verify_all: bool = False, weights_from: str | Path | None = None, code_from: Bundle | None = None):
         """weights_from: another bundle whose weights (e.g. another checkpoint of the same architecture, or a
         LoRA-merged build) this bundle's graphs run with; refused unless every weight tensor the graphs take
-        has the same name, shape and dtype there."""
+        has the same name, shape and dtype there. code_from: a loaded Bundle of this same bundle (its id) whose
+        graphs' code this one runs over its own weights where the back end can rebind them (qic serve's weight
+        sets), instead of loading it again."""
         t0 = time.perf_counter()
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
@@ -98,10 +101,15 @@ class Bundle:
             if missing:
                 raise BundleError(f"{self.path}: graph {g['name']} needs tensors its weights lack: {missing[:3]}")
             weights = [constants[n] for n in g["weight_inputs"]]
-            run = load_graph(m, self.path / g["file"], weights, self.device, rank=rank, world=world)
             key = _key(g["component"], g["name"])
+            loaded = code_from.graphs.get(key) if code_from is not None and code_from.id == m["id"] else None
+            if loaded is not None and loaded.rebind is not None:
+                run = loaded.rebind(weights)
+            else:
+                run = load_graph(m, self.path / g["file"], weights, self.device, rank=rank, world=world)
             self.graphs[key] = Graph(g["name"], run, g["inputs"],
-                                     fixed={i["name"]: fixed[i["name"]] for i in g["inputs"] if i["name"] in fixed})
+                                     fixed={i["name"]: fixed[i["name"]] for i in g["inputs"] if i["name"] in fixed},
+                                     rebind=getattr(run, "rebind", None))
         self.load_seconds = time.perf_counter() - t0
         Bundle.seconds_loading += self.load_seconds
 

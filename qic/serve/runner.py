@@ -74,7 +74,7 @@ def weight_sets(bundle: Bundle, rank: int, world: int, load: dict, named: dict, 
     options = {k: v for k, v in load.items() if k != "weights_from"}
 
     def load_set(path):
-        return Bundle(bundle.path, rank=rank, world=world, weights_from=path, **options)
+        return Bundle(bundle.path, rank=rank, world=world, weights_from=path, code_from=bundle, **options)
     sets = WeightSets(bundle, bundle.path.resolve().name, named, load_set, budget, rank)
     compute.submit(sets.check_all).result() if compute else sets.check_all()
     return sets

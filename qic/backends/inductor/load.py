@@ -86,7 +86,13 @@ def _mapped_dirs(temp: Path) -> set[Path]:
 def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, world: int = 1,
          manifest: dict | None = None):
     check_torch()
-    loader = _open_package(path)
+    return _bound(_open_package(path), weights, device)
+
+
+def _bound(loader, weights: list[torch.Tensor], device: str):
+    """The loaded package as a callable over the graph's inputs, `weights` appended; `rebind(other)` gives the same
+    library over other weights (torch never unloads a package's library, so loading it again per weight set would
+    map another copy of its code each time: ~1 MB a graph)."""
     bound = [w if w.device.type == device else w.to(device) for w in weights]
 
     def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -100,4 +106,5 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
             return loader.run(list(inputs) + bound)
 
     run.loader = loader
+    run.rebind = lambda other: _bound(loader, other, device)
     return run
