@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         status, _, body = request(srv.port, "POST", PATH, valid_body(args.steps, 0, 1), timeout=120)
         assert status == 200, (status, body)
         rss_start = proc.memory_info().rss
+        samples: list[int] = []   # the server's RSS every tenth of the run: flat, or growing all along?
+        sampler = threading.Thread(target=sample_rss, args=(proc, args.seconds / 10, samples), daemon=True)
+        sampler.start()
         soak = Soak(srv.port, args, reference)
         soak.run()
         rss_end = proc.memory_info().rss
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
           if lat else "| valid requests (200) latency p50 / p99 | none |")
     print(f"| server RSS after the first image / at the end | {rss_start / 2**20:.0f} MiB / {rss_end / 2**20:.0f} MiB "
           f"({rss_end / rss_start - 1:+.1%}) |")
+    print(f"| server RSS each tenth of the run (MiB) | {' '.join(str(r >> 20) for r in samples[:10])} |")
     print(f"| exit status after SIGTERM | {exit_status} |")
     problems = soak.problems + ([f"the server exited {exit_status} after SIGTERM"] if exit_status != 0 else [])
     if not soak.checked:
@@ -125,6 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     if problems:
         sys.exit(1)
     print("soak ok: no 5xx, malformed all 4xx, every valid image equal to qic run's, streams in order, exit 0")
+
+
+def sample_rss(proc, every: float, into: list) -> None:
+    """Append the process's RSS every `every` seconds while it lives."""
+    while True:
+        time.sleep(every)
+        try:
+            into.append(proc.memory_info().rss)
+        except psutil.Error:
+            return
 
 
 def valid_body(steps: int, seed: int, n: int, model: str | None = None) -> dict:

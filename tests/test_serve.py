@@ -804,6 +804,10 @@ def test_named_weight_sets_are_models_picked_per_request_and_mapped_within_the_b
         assert maps[3] == maps[1], maps
         status, _, body = gen(srv.port, model="nope")
         assert status == 400 and body["error"]["param"] == "model" and "'x105', 'x095'" in body["error"]["message"]
+        metrics = scrape(srv.port)
+        assert metrics[("qic_weight_set_maps_total", (("model", "x105"),))] == 3
+        assert metrics[("qic_weight_set_maps_total", (("model", "x095"),))] == 2
+        assert metrics[("qic_weight_sets_mapped", ())] == 1
     finally:
         srv.close()
     log = srv.log_path.read_text()

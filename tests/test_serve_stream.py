@@ -14,7 +14,7 @@ from PIL import Image
 
 from qic.serve.client import request
 from qic.serve.stream import partial_steps
-from tests.test_serve import SIZE, FakeRunner, ThreadServer
+from tests.test_serve import SIZE, FakeRunner, ThreadServer, scrape
 
 STEPS = 6
 
@@ -63,6 +63,8 @@ def test_openai_client_streams_partial_images_then_the_completed_one():
     with ThreadServer(runner) as srv:
         events = list(client_of(srv.port).images.generate(prompt="a red bicycle", size=SIZE, stream=True,
                                                           partial_images=2, extra_body={"seed": 5}))
+        metrics = scrape(srv.port)
+    assert metrics[("qic_partial_images_total", ())] == 2 and metrics[("qic_images_total", (("outcome", "ok"),))] == 1
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     assert [pixel(e.b64_json)[:2] for e in events[:2]] == [(0, 1), (0, 3)]   # steps 1 and 3 of 6

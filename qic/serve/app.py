@@ -120,7 +120,7 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
 
     scheduler = Scheduler(run_batch, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch],
                           getattr(runner, "executor", None), on_fail)
-    metrics = Metrics(scheduler, scheduler.batch_sizes)
+    metrics = Metrics(scheduler, scheduler.batch_sizes, getattr(runner, "sets", None))
     loop: asyncio.AbstractEventLoop | None = None
 
     @asynccontextmanager
@@ -320,6 +320,7 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                     if waiting in done:
                         index, png = waiting.result()
                         sent += 1
+                        metrics.partials.inc()
                         yield image_event(kind, png, size, index)
                         continue
                     waiting.cancel()
@@ -334,6 +335,7 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                     while not sink.queue.empty():
                         index, png = sink.queue.get_nowait()
                         sent += 1
+                        metrics.partials.inc()
                         yield image_event(kind, png, size, index)
                     try:
                         png = job.future.result()

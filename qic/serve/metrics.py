@@ -70,8 +70,25 @@ class StageClock:
         return seconds
 
 
+class _WeightSets:
+    """The named weight sets (qic.serve.weight_sets.WeightSets): how often each was mapped, and how many are now."""
+
+    def __init__(self, sets):
+        self.sets = sets
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        maps = CounterMetricFamily("qic_weight_set_maps", "Named weight sets mapped (at start and on demand)",
+                                   labels=["model"])
+        for name in self.sets.paths:
+            maps.add_metric([name], self.sets.maps[name])
+        yield maps
+        yield GaugeMetricFamily("qic_weight_sets_mapped", "Named weight sets mapped now", value=len(self.sets.loaded))
+
+
 class Metrics:
-    def __init__(self, scheduler, batch_sizes):
+    def __init__(self, scheduler, batch_sizes, sets=None):
+        """sets: the runner's named weight sets, if any (their maps and how many are mapped)."""
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         self.requests = Counter("qic_requests", "HTTP requests answered, by path and status", ["path", "status"],
@@ -88,6 +105,9 @@ class Metrics:
         self.images = Counter("qic_images", "Images made (ok) or failed (error)", ["outcome"], registry=r)
         for outcome in ("ok", "error"):
             self.images.labels(outcome)   # both series exist from the start, at 0
+        self.partials = Counter("qic_partial_images", "Partial images streamed (qic.serve.stream)", registry=r)
+        if sets is not None:
+            r.register(_WeightSets(sets))
 
     def request(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()

@@ -63,7 +63,7 @@ class WeightSets:
         self.load, self.budget, self.rank = load, budget, rank
         self.loaded: OrderedDict[str, object] = OrderedDict()
         self.sizes: dict[str, int] = {}
-        self.loads = 0   # named sets mapped so far (a set unmapped and asked for again counts again)
+        self.maps = {n: 0 for n in self.paths}   # times each was mapped (unmapped and asked for again: again)
 
     @property
     def names(self) -> list[str]:
@@ -80,7 +80,7 @@ class WeightSets:
         bundle = self.load(path)
         self.sizes[name] = weight_bytes(path, self.rank)
         self.loaded[name] = bundle
-        self.loads += 1
+        self.maps[name] += 1
         log.info(f"mapped weight set {name} ({self.sizes[name] / 2**20:.1f} MiB) from {path}")
         self._fit(keep=name)
         return bundle
@@ -98,3 +98,4 @@ class WeightSets:
                 return   # the one just asked for is larger than the budget alone: it stays while it runs
             del self.loaded[oldest]
             log.info(f"unmapped weight set {oldest} (--weights-budget {self.budget / 2**30:g} GiB)")
+
