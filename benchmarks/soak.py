@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     # n=2 from the last seed needs +1; None: the bundle's own weights
     reference = {model: reference_pngs(bundle, args.dir, args.steps, args.seeds + 1, weights)
                  for model, weights in ((None, None), *sets.items())}
-    budget = 1.5 * weight_bytes(sets["alt1"], 0) / 2**30   # GiB: one named set mapped at a time
+    budget = 1.5 * weight_bytes(sets["alt1"]) / 2**30   # GiB: one named set mapped at a time
     extra = [a for name, path in sets.items() for a in ("--weights", f"{name}={path}")]
     with Server(bundle, args.queue, args.dir / "soak-serve.log", [*extra, "--weights-budget", repr(budget)]) as srv:
         proc = psutil.Process(srv.proc.pid)

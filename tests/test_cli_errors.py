@@ -53,3 +53,18 @@ def test_an_unexpected_failure_is_one_line_and_debug_shows_the_traceback(monkeyp
     loud = _invoke(monkeypatch, RuntimeError("boom"), debug=True)
     assert isinstance(loud.exception, RuntimeError)   # raised through: click's runner holds the traceback
     os.environ.pop("QIC_DEBUG", None)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--weights", "served=elsewhere"], "'served' is the served bundle's own model name"),
+    (["--weights", "alt="], "no bundle after alt="),
+    (["--weights", "alt=a", "--weights", "alt=b"], "the name 'alt' is given twice"),
+    (["--weights", "a", "--weights", "b"], "one bundle replaces the served weights, 2 given"),
+    (["--weights-budget", "1"], "--weights-budget keeps named weight sets mapped, and none is given"),
+    (["--weights", "alt=a", "--weights-budget", "0"], "--weights-budget must be a positive number of GiB"),
+])
+def test_serve_weight_set_flags_are_refused_in_one_line_before_anything_loads(tmp_path, flags, needle):
+    """qic serve's --weights NAME=BUNDLE and --weights-budget (qic.serve.weight_sets.parse_weights): refused before
+    the bundle is read (the bundle here does not exist)."""
+    proc = qic("serve", tmp_path / "served", *flags, check=False)
+    _one_line_refusal(proc, needle)

@@ -787,7 +787,7 @@ def test_named_weight_sets_are_models_picked_per_request_and_mapped_within_the_b
     sets = {name: rewritten_bundle(bundle, tmp_path / name, "denoiser",
                                    lambda sd, f=f: {k: v * f for k, v in sd.items()})
             for name, f in (("x105", 1.05), ("x095", 0.95))}
-    budget = 1.5 * weight_bytes(sets["x105"], 0) / 2**30   # GiB: one named set fits, two do not
+    budget = 1.5 * weight_bytes(sets["x105"]) / 2**30   # GiB: one named set fits, two do not
     srv = ServeProcess(bundle, tmp_path / "serve.log", "--weights", f"x105={sets['x105']}",
                        "--weights", f"x095={sets['x095']}", "--weights-budget", repr(budget))
     try:

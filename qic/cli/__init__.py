@@ -341,11 +341,15 @@ def doctor_command(as_json):
 def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, weights_budget, **load):
     """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
     from qic.cli.serve import run_serve
+    from qic.errors import ConfigError
     from qic.serve.settings import Settings
     from qic.serve.weight_sets import parse_weights
-    load["weights_from"], named = parse_weights(load.get("weights_from"))
+    load["weights_from"], named = parse_weights(load.get("weights_from"), os.path.basename(os.path.realpath(bundle)))
     if weights_budget is not None and not weights_budget > 0:
-        raise click.UsageError("--weights-budget must be a positive number of GiB")
+        raise ConfigError("--weights-budget must be a positive number of GiB")
+    if weights_budget is not None and not named:
+        raise ConfigError("--weights-budget keeps named weight sets mapped, and none is given",
+                          "add --weights NAME=BUNDLE, or drop --weights-budget")
     run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch), load,
               {"named": named, "budget": None if weights_budget is None else weights_budget * 2**30})
 

@@ -77,12 +77,14 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
         sock = _bind(host, port)
 
     from qic.serve.queue import compute_thread
-    from qic.serve.runner import BundleRunner, control_group, follow, load, load_and_warm, warm, weight_sets
+    from qic.serve.runner import BundleRunner, control_group, follow, load, warm, weight_sets
     sets = sets or {}
 
     if rank > 0:   # nothing else to do here: load, warm with the others, then follow rank 0
-        bundle = load_and_warm(bundle_path, rank, world, **(load_options or {}))
+        # rank 0's order: the bundle, its named sets, then the warm-up (whose all-reduces pair with rank 0's)
+        bundle, _ = load(bundle_path, rank, world, None, **(load_options or {}))
         named = weight_sets(bundle, rank, world, load_options or {}, sets.get("named"), sets.get("budget"))
+        warm(bundle)
         follow(bundle, control_group(world), named)
         return
 

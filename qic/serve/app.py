@@ -8,8 +8,9 @@ import io
 import json
 import logging
 import time
+from collections.abc import Hashable
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -104,16 +105,14 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
     # A streamed request's partial images by id() of its Request (the scheduler's item): added on the event loop
     # before the request queues, read on the runner's thread while its batch runs.
     partials: dict[int, PartialImages] = {}
-    # The model (weight set) of each queued request by id() of its Request, where it is not the bundle's own
-    # (qic.serve.weight_sets); set and read as `partials` is.
-    models_of: dict[int, str] = {}
 
-    def run_batch(items: list) -> list:   # on the runner's thread: one batch, and what it cost
+    def run_batch(items: list, key: tuple) -> list:   # on the runner's thread: one batch, and what it cost
         if clock is not None:
             clock.take()   # drop what ran outside a batch (the warm-up)
         t = time.perf_counter()
-        hooks = {"previews": batch_previews([partials.get(id(item)) for item in items]),
-                 "model": models_of.get(id(items[0]))}   # one model a batch: it is in the batch key
+        model = getattr(key, "model", None)   # _plan's BatchKey
+        model = None if model == runner.model_id else model
+        hooks = {"previews": batch_previews([partials.get(id(item)) for item in items]), "model": model}
         out = runner.run(items, **{k: v for k, v in hooks.items() if v is not None})
         metrics.batch(len(items), time.perf_counter() - t, clock.take() if clock is not None else {})
         return out
@@ -202,15 +201,6 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
             return _stream(body, items, request, "image_generation")
         return await _serve(body, items, request)
 
-    def _route(body, items) -> None:
-        """Remember the requests' model, if not the bundle's own, for run_batch."""
-        if body.model is not None and body.model != runner.model_id:
-            models_of.update({id(req): body.model for req, _ in items})
-
-    def _unroute(items) -> None:
-        for req, _ in items:
-            models_of.pop(id(req), None)
-            partials.pop(id(req), None)
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
@@ -252,13 +242,6 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
 
     async def _serve(body, items, request: Request):
         log = request.state.log
-        _route(body, items)
-        try:
-            return await _answer(body, items, request, log)
-        finally:
-            _unroute(items)
-
-    async def _answer(body, items, request: Request, log: dict):
         jobs = _submit(body, items, log)
         outcome = await _wait(request, [j.future for j in jobs], settings.timeout)
         started = _log_start(jobs, log)
@@ -297,16 +280,15 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
         req = items[0][0]
         sink = PartialImages(body.partial_images, asyncio.get_running_loop())
         partials[id(req)] = sink
-        _route(body, items)
         try:
             (job,) = _submit(body, items, log)
         except BaseException:
-            _unroute(items)
+            partials.pop(id(req), None)
             raise
         size = body.size if body.size != "auto" else f"{req.width}x{req.height}"
         # If the generator below never starts (the response is dropped before it is sent), its finally cannot
         # clean up: the job's end does (its batch has run by then, and reads them no more).
-        job.future.add_done_callback(lambda _: _unroute(items))
+        job.future.add_done_callback(lambda _: partials.pop(id(req), None))
 
         async def events():
             sent = 0
@@ -361,7 +343,7 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                 if waiting is not None:
                     waiting.cancel()
                 sink.closed = True   # a batch still running makes no more for it
-                _unroute(items)
+                partials.pop(id(req), None)
                 log["partial_images"] = sent
                 if not job.future.done():   # the client went away (or the stream timed out)
                     log["cancelled_queued"] = int(scheduler.cancel(job))
@@ -497,8 +479,15 @@ def _plan(runner, settings: Settings, body: ImageRequest, extra: dict | None = N
             key = runner.plan(req)
         except QicError as e:
             raise ApiError(400, e.message, "prompt" if "prompt" in e.message else None) from None
-        items.append((req, (body.model or runner.model_id, key)))   # one weight set a batch
+        items.append((req, BatchKey(body.model or runner.model_id, key)))
     return items
+
+
+class BatchKey(NamedTuple):
+    """A request's batch key: requests share a batch only with requests of the same model (weight set: one set's
+    weights run a batch) and the same program key (its graphs and scalars: the host program's `plan`)."""
+    model: str
+    program: Hashable
 
 
 def served_models(runner) -> list[str]:

@@ -68,11 +68,12 @@ def compute_thread() -> ThreadPoolExecutor:
 class Scheduler:
     """Admits up to `capacity` waiting jobs and feeds them, grouped, to `run_batch` on one thread.
 
-    run_batch(items) -> list of outputs, one per item, in order. An exception fails the whole group;
+    run_batch(items, key) -> list of outputs, one per item, in order (key: the group's batch key, which its jobs
+    share). An exception fails the whole group;
     Unavailable fails every job, queued and later ones too.
     """
 
-    def __init__(self, run_batch: Callable[[list], list], capacity: int, batch_sizes: Sequence[int] = (1,),
+    def __init__(self, run_batch: Callable[[list, Hashable], list], capacity: int, batch_sizes: Sequence[int] = (1,),
                  executor: ThreadPoolExecutor | None = None, on_fail: Callable[[Exception], None] | None = None):
         """executor: the compute_thread run_batch runs on (the server passes the one it loaded and warmed
         the bundle on; default: a new one). on_fail: called once fail() has failed the jobs (the server stops)."""
@@ -169,7 +170,8 @@ class Scheduler:
                 job.started, job.batch = t, len(group)
             self.current = group
             try:
-                outputs = await loop.run_in_executor(self._executor, self.run_batch, [j.item for j in group])
+                outputs = await loop.run_in_executor(self._executor, self.run_batch, [j.item for j in group],
+                                                     group[0].key)
                 if len(outputs) != len(group):
                     raise RuntimeError(f"runner returned {len(outputs)} outputs for {len(group)} jobs")
             except Unavailable as e:

@@ -75,8 +75,11 @@ def weight_sets(bundle: Bundle, rank: int, world: int, load: dict, named: dict, 
 
     def load_set(path):
         return Bundle(bundle.path, rank=rank, world=world, weights_from=path, code_from=bundle, **options)
-    sets = WeightSets(bundle, bundle.path.resolve().name, named, load_set, budget, rank)
+    sets = WeightSets(bundle, bundle.path.resolve().name, named, load_set, budget)
     compute.submit(sets.check_all).result() if compute else sets.check_all()
+    # Mapped again later, a set is checked by its hash records (files changed since are re-hashed), not re-hashed
+    # whole: --verify-all is the start's.
+    options["verify_all"] = False
     return sets
 
 
@@ -139,12 +142,13 @@ class BundleRunner:
         if len(reqs) not in self.batch_sizes:
             raise RuntimeError(f"batch of {len(reqs)}: this runner runs {self.batch_sizes}")
         model = None if model == self.model_id else model
+        bundle = self._bundle(model)   # mapped before the ranks are told: a set that fails to map fails this batch
         if self.group is None:
-            return self._run(self._bundle(model), reqs, previews)
+            return self._run(bundle, reqs, previews)
         import torch.distributed as dist
         try:
             dist.broadcast_object_list([(reqs, model)], src=0, group=self.group)
-            return self._run(self._bundle(model), reqs, previews)
+            return self._run(bundle, reqs, previews)
         except Exception as e:
             # Every rank ran this batch: whatever failed here failed on the others too, or a collective
             # broke (a rank died). Either way the ranks are out of step for good.

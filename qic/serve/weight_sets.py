@@ -23,9 +23,10 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 log = logging.getLogger("qic.serve")
 
 
-def parse_weights(values) -> tuple[str | None, dict[str, str]]:
+def parse_weights(values, own: str = "") -> tuple[str | None, dict[str, str]]:
     """`--weights` values: (the one unnamed BUNDLE, whose weights replace the served bundle's own as `qic run
-    --weights` does, or None; {name: bundle} of the NAME=BUNDLE ones, each another model served beside it)."""
+    --weights` does, or None; {name: bundle} of the NAME=BUNDLE ones, each another model served beside it). `own`:
+    the served bundle's model name, which no set may take."""
     unnamed, named = [], {}
     for value in values or ():
         name, sep, path = value.partition("=")
@@ -34,6 +35,11 @@ def parse_weights(values) -> tuple[str | None, dict[str, str]]:
             continue
         if name in named:
             raise ConfigError(f"--weights {value}: the name {name!r} is given twice")
+        if name == own:
+            raise ConfigError(f"--weights {value}: {name!r} is the served bundle's own model name",
+                              "give the set another name")
+        if not path:
+            raise ConfigError(f"--weights {value}: no bundle after {name}=")
         named[name] = path
     if len(unnamed) > 1:
         raise ConfigError(f"--weights: one bundle replaces the served weights, {len(unnamed)} given ({unnamed[0]}, "
@@ -41,11 +47,12 @@ def parse_weights(values) -> tuple[str | None, dict[str, str]]:
     return (unnamed[0] if unnamed else None), named
 
 
-def weight_bytes(path: Path, rank: int) -> int:
-    """The bytes of a bundle's weight files one rank maps (a TP component's rank file, every replicated one)."""
+def weight_bytes(path: Path) -> int:
+    """A bundle's weight bytes per tensor-parallel rank: all its weight files over its TP degree (the same figure on
+    every rank, so that every rank's budget unmaps the same sets; a rank maps about this much of a set)."""
     manifest = read_manifest(path)
-    files = {g["weights"][rank] if len(g["weights"]) > 1 else g["weights"][0] for g in manifest["graphs"]}
-    return sum((path / f).stat().st_size for f in files)
+    files = {f for g in manifest["graphs"] for f in g["weights"]}
+    return sum((path / f).stat().st_size for f in files) // max(1, manifest.get("tp", 1))
 
 
 class WeightSets:
@@ -54,13 +61,13 @@ class WeightSets:
     `budget` bytes of named sets, least recently used unmapped first (never the one just asked for)."""
 
     def __init__(self, primary, name: str, named: dict[str, str], load: Callable[[Path], object],
-                 budget: float | None = None, rank: int = 0):
+                 budget: float | None = None):
         self.primary, self.name = primary, name
         if name in named:
             raise ConfigError(f"--weights {name}=...: {name!r} is the served bundle's own model name",
                               "give the set another name")
         self.paths = {n: Path(p) for n, p in named.items()}
-        self.load, self.budget, self.rank = load, budget, rank
+        self.load, self.budget = load, budget
         self.loaded: OrderedDict[str, object] = OrderedDict()
         self.sizes: dict[str, int] = {}
         self.maps = {n: 0 for n in self.paths}   # times each was mapped (unmapped and asked for again: again)
@@ -78,7 +85,7 @@ class WeightSets:
             return self.loaded[name]
         path = self.paths[name]
         bundle = self.load(path)
-        self.sizes[name] = weight_bytes(path, self.rank)
+        self.sizes[name] = weight_bytes(path)
         self.loaded[name] = bundle
         self.maps[name] += 1
         log.info(f"mapped weight set {name} ({self.sizes[name] / 2**20:.1f} MiB) from {path}")
