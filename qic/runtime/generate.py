@@ -249,7 +249,7 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
             return [to_pil(bundle.graph("vae_decoder", res)(x0[j - lo:j - lo + 1])[0])
                     if j in wanted and lo <= j < hi else None for j in range(n)]
         x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times,
-                                blend, previews and (previews, decode))
+                                blend, previews=previews, decode=decode)
     if share:
         if idler and hi > lo:
             group_done()
@@ -266,13 +266,13 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
 
 
 def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
-            times: dict, blend=None, previews: tuple | None = None):
+            times: dict, blend=None, previews: Previews | None = None, decode=None):
     """The denoise loop over x's images: (final latents, step-cache rows or None). One step graph a step, or
     with step caching on the split graphs (qic/runtime/step_cache.py); the loop is the same one. blend: inpaint's
-    (i, latents, sigma_next) -> latents after each step (img2img_start). previews: (previews, decode) for the
-    loop, or None."""
+    (i, latents, sigma_next) -> latents after each step (img2img_start). previews, decode: the loop's
+    (qic.runtime.loop)."""
     batch = x.shape[0]
-    hooks = dict(zip(("previews", "decode"), previews or ()))
+    hooks = {"previews": previews, "decode": decode}
     if req.cache.active:
         step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance)
         return denoise_loop(step, x, schedule, record_steps(times), **hooks), decisions.state

@@ -43,7 +43,7 @@ def serving(program) -> bool:
     return callable(getattr(program, "plan", None))
 
 
-def previews(program) -> bool:
+def makes_previews(program) -> bool:
     """Whether a program's runs can hand out previews (qic.runtime.loop's; qic serve's partial images): its
     generate (and generate_batch) take them."""
     import inspect
@@ -53,7 +53,7 @@ def previews(program) -> bool:
 
 def run_batch(program, model, requests: list, previews=None) -> list:
     """A batch through the program: its generate_batch, else its generate (a batch of one). previews:
-    qic.runtime.loop's, given only to a program that takes them (previews(program))."""
+    qic.runtime.loop's, given only to a program that takes them (makes_previews)."""
     hooks = {} if previews is None else {"previews": previews}
     batch = getattr(program, "generate_batch", None)
     if batch is not None:

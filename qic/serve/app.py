@@ -201,7 +201,6 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
             return _stream(body, items, request, "image_generation")
         return await _serve(body, items, request)
 
-
     @app.post("/v1/images/edits")
     async def edits(request: Request):
         """The OpenAI images API's edits: a multipart form with the image(s) (`image`, or `image[]` for several, in
@@ -255,14 +254,8 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                            type_="timeout_error", code="timeout")
         try:
             pngs = [f.result() for f in (j.future for j in jobs)]
-        except Unavailable as e:
-            log["error"] = str(e)
-            metrics.images.labels("error").inc(len(jobs))
-            raise _unavailable(e) from None
         except Exception as e:
-            log["error"] = f"{type(e).__name__}: {e}"
-            metrics.images.labels("error").inc(len(jobs))
-            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type_="server_error") from None
+            raise _failed(e, len(jobs), log) from None
         metrics.images.labels("ok").inc(len(pngs))
         log["run_s"] = round(time.perf_counter() - min(started), 4)
         cached = [step_cache_of(p) for p in pngs]
@@ -270,6 +263,14 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
             log["step_cache"] = cached   # per image: its settings and the steps each CFG branch computed
         return {"created": int(time.time()), "output_format": "png", "size": body.size,
                 "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]}
+
+    def _failed(e: Exception, images: int, log: dict) -> ApiError:
+        """A run that failed (Unavailable: the runner is gone), logged and counted: the error to answer with."""
+        log["error"] = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}"
+        metrics.images.labels("error").inc(images)
+        if isinstance(e, Unavailable):
+            return _unavailable(e)
+        return ApiError(500, f"generation failed: {type(e).__name__}: {e}", type_="server_error")
 
     def _stream(body, items, request: Request, kind: str) -> StreamingResponse:
         """stream: true (one image, _check_stream): admitted as any request (429 and 503 before the stream
@@ -290,8 +291,15 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
         # clean up: the job's end does (its batch has run by then, and reads them no more).
         job.future.add_done_callback(lambda _: partials.pop(id(req), None))
 
+        def partial(index_png) -> bytes:
+            nonlocal sent
+            sent += 1
+            metrics.partials.inc()
+            return image_event(kind, index_png[1], size, index_png[0])
+
+        sent = 0
+
         async def events():
-            sent = 0
             waiting = None
             deadline = time.monotonic() + settings.timeout
             try:
@@ -300,10 +308,7 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                     done, _ = await asyncio.wait({waiting, job.future}, timeout=max(0.0, deadline - time.monotonic()),
                                                  return_when=asyncio.FIRST_COMPLETED)
                     if waiting in done:
-                        index, png = waiting.result()
-                        sent += 1
-                        metrics.partials.inc()
-                        yield image_event(kind, png, size, index)
+                        yield partial(waiting.result())
                         continue
                     waiting.cancel()
                     if not done:
@@ -315,10 +320,7 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                     # The partial images were queued before the run returned (the future is set after it), so
                     # none comes later: what is queued now is all of them.
                     while not sink.queue.empty():
-                        index, png = sink.queue.get_nowait()
-                        sent += 1
-                        metrics.partials.inc()
-                        yield image_event(kind, png, size, index)
+                        yield partial(sink.queue.get_nowait())
                     try:
                         png = job.future.result()
                     except asyncio.CancelledError:   # the server stopped before it ran
@@ -328,11 +330,8 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
                         return
                     except Exception as e:
                         _log_start([job], log)
-                        log["error"] = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}"
-                        metrics.images.labels("error").inc()
-                        yield (error_event(f"the server can make no more images: {e}", "server_error", "unavailable")
-                               if isinstance(e, Unavailable) else
-                               error_event(f"generation failed: {type(e).__name__}: {e}", "server_error"))
+                        failed = _failed(e, 1, log)
+                        yield error_event(failed.message, failed.type, failed.code)
                         return
                     metrics.images.labels("ok").inc()
                     started = _log_start([job], log)

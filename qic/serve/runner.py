@@ -17,7 +17,7 @@ import torch
 
 from qic.runtime.bundle import Bundle
 from qic.runtime.png import png_bytes
-from qic.runtime.programs import previews, program_of, run_batch
+from qic.runtime.programs import makes_previews, program_of, run_batch
 from qic.serve.metrics import StageClock
 from qic.serve.queue import Unavailable
 
@@ -53,13 +53,6 @@ def load(path, rank: int, world: int, compute: ThreadPoolExecutor | None, **load
     bundle = compute.submit(Bundle, path, rank=rank, world=world, **load).result() if compute else \
         Bundle(path, rank=rank, world=world, **load)
     return bundle, time.perf_counter() - t
-
-
-def load_and_warm(path, rank: int, world: int, **options) -> Bundle:
-    """load() and warm() on this thread (a serving rank above 0: it has nothing else to do)."""
-    bundle, _ = load(path, rank, world, None, **options)
-    warm(bundle)
-    return bundle
 
 
 def weight_sets(bundle: Bundle, rank: int, world: int, load: dict, named: dict, budget: float | None,
@@ -125,7 +118,7 @@ class BundleRunner:
         # Why this bundle streams no partial images (None: it does). Rank 0 alone decodes them (the decoder graph
         # has no collectives), which ranks run in lockstep cannot allow.
         self.no_partials = None
-        if not previews(self.program):
+        if not makes_previews(self.program):
             self.no_partials = f"its host program ({self.program.__name__}) makes no previews"
         elif bundle.lockstep and bundle.layout.world > 1:
             self.no_partials = (f"its ranks run in lockstep on {bundle.device} (every rank must call the same "
