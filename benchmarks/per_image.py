@@ -190,8 +190,8 @@ def bench(args) -> dict:
                     flush=True)
             h, w = resolution(r)
             for name, (n_cond, n_uncond) in lengths.items():
-                bucket = sides["qic"][name]["runs"][0]["bucket"]   # 0: exact length, both rows at the longer
-                flops = {q: step_flops(configs, h, w, sides[q][name]["runs"][0]["bucket"] or max(n_cond, n_uncond))
+                bucket = sides["qic"][name]["runs"][0]["bucket"]   # 0: exact length, each row at its own
+                flops = {q: step_flops(configs, h, w, sides[q][name]["runs"][0]["bucket"], lengths=(n_cond, n_uncond))
                          for q in ("qic", "qic-128")}
                 flops["diffusers"] = sum(step_flops(configs, h, w, n, cfg=False) for n in (n_cond, n_uncond))
                 flops["diffusers-compile"] = flops["diffusers"]

@@ -116,21 +116,29 @@ def _hwm(pid: int) -> int:
     return 0
 
 
-def step_flops(configs: dict, h: int, w: int, bucket: int, cfg: bool = True) -> float:
-    """FLOPs of one denoiser call at these shapes, counted by torch on fake tensors (no weights, no memory)."""
+def step_flops(configs: dict, h: int, w: int, bucket: int, cfg: bool = True,
+               lengths: tuple[int, int] | None = None) -> float:
+    """FLOPs of one denoiser call at these shapes, counted by torch on fake tensors (no weights, no memory).
+    lengths: the prompts' templated token counts (cond, uncond) for an exact-length graph (bucket 0), whose CFG
+    step takes each branch's text at its own length (packed CFG)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from qic.builder.jobs import make_graph
+    from qic.host.prompt import DROP_TOKENS
     from qic.models.qwen_image.components import COMPONENTS
     parsed = {n: c.parse_config(configs[c.folder]) for n, c in COMPONENTS.items()}
     shape = {"resolution": [h, w], "bucket": bucket} | ({} if cfg else {"cfg": False})
     with FakeTensorMode(allow_non_fake_inputs=True):
         module = COMPONENTS["denoiser"].make_module(parsed["denoiser"], tp_size=1).eval()
         gdef = make_graph("denoiser", module, parsed, shape, "float32")
+        inputs = dict(gdef.inputs)
+        if lengths is not None and "negative_embeds" in inputs:
+            for name, n in zip(("text_embeds", "negative_embeds"), lengths):
+                inputs[name] = inputs[name].new_zeros(1, n - DROP_TOKENS, inputs[name].shape[2])
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            gdef.module.eval()(*[t for _, t in gdef.inputs])
+            gdef.module.eval()(*inputs.values())
     return float(counter.get_total_flops())
 
 

@@ -223,8 +223,9 @@ def test_export_looped_step_graph():
     names = list(tensors)
     args = [t.clone() for _, t in gdef.inputs]
     g = torch.Generator().manual_seed(2)
-    args[0], args[1] = torch.randn(args[0].shape, generator=g), torch.randn(args[1].shape, generator=g)
-    args[2][1, 3:] = 0
+    # packed CFG (exact length, one image): the prompt's and the negative prompt's text at their own lengths
+    assert [n for n, _ in gdef.inputs][1:3] == ["text_embeds", "negative_embeds"]
+    args[:3] = [torch.randn(a.shape, generator=g) for a in args[:3]]
     dynamic = (tuple(gdef.dynamic.get(n) for n, _ in gdef.inputs), [None] * len(names))
     weights = [tensors[n] for n in names]
     with torch.no_grad():
@@ -233,13 +234,13 @@ def test_export_looped_step_graph():
     assert _nodes(gm, torch.ops.higher_order.scan) == 1
     assert _nodes(gm, "scaled_dot_product_attention") == 0  # no unrolled block outside the loop
     bodies = [m for n, m in gm.named_children() if n.startswith("scan_combine")]
-    assert len(bodies) == 1 and _nodes(bodies[0], "scaled_dot_product_attention") == 1
+    assert len(bodies) == 1 and _nodes(bodies[0], "scaled_dot_product_attention") == 2   # one per CFG branch
     latents = args[0]
     with torch.no_grad():
         got = program.module()(tuple(args), weights)
         assert torch.equal(got, gref.module.eval()(*args))
-        # Another text length through the same program (the dynamic dim) ...
-        short = [latents, args[1][:, :5].contiguous(), args[2][:, :5].contiguous(), *args[3:]]
+        # Other text lengths through the same program (the dynamic dims: the branches' lengths apart) ...
+        short = [latents, args[1][:, :5].contiguous(), args[2][:, :2].contiguous(), *args[3:]]
         got = program.module()(tuple(short), weights)
         assert torch.equal(got, gref.module(*short))
         # ... and the stacks really are graph inputs: other weights, other result, matching eager.

@@ -119,7 +119,11 @@ def test_cli_run_matches_diffusers_and_png_is_reproducible(bundle, tiny_ckpt, tm
 
 
 def test_bucketed_and_exact_length_builds_agree(bundle, bundle_exact, tiny_ckpt):
+    """The exact-length bundle's step takes the prompt's and the negative prompt's text at their own lengths (packed
+    CFG: tests/test_packed_cfg.py), which differ here (a prompt and " ")."""
     a, b = Bundle(bundle), Bundle(bundle_exact)
+    step = b.graph("denoiser", TINY_RES, 0)
+    assert [i["name"] for i in step.inputs][1:3] == ["text_embeds", "negative_embeds"]
     for prompt in (SHORT, LONG):
         ia = generate(a, Request(prompt, steps=STEPS, seed=5)).image
         rb = generate(b, Request(prompt, steps=STEPS, seed=5))

@@ -187,7 +187,6 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
     cfg, bucket = plans[0].cfg, plans[0].bucket
     res = (first.height, first.width)
     drop = bundle.prompt["drop_tokens"]
-    length = bucket or max(len(ids) for p in plans for ids in (p.ids_pos, p.ids_neg))
     # Without CFG the no-CFG step graph (one transformer call a step) runs when the bundle has it;
     # else the CFG graph with the uncond rows repeating the prompts and guidance 1, which makes the
     # combination exactly the cond prediction at twice the cost.
@@ -210,8 +209,10 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
     t = time.perf_counter()
     encoder = bundle.graph("text_encoder", bucket=bucket, batch=n)
     embeds, masks = [], []
-    # Text rows: the n prompts, then (CFG) their n negative prompts, as DenoiseStep splits them.
+    # Text rows: the n prompts, then (CFG) their n negative prompts, as DenoiseStep splits them; with exact-length
+    # text each branch is encoded at its own length (the step graph may take them so: packed CFG).
     for rows in ([[p.ids_pos for p in plans], [p.ids_neg for p in plans]] if cfg else [[p.ids_pos for p in plans]]):
+        length = bucket or max(len(ids) for ids in rows)
         padded = torch.zeros(n, length, dtype=torch.long)
         mask = torch.zeros(n, length, dtype=torch.long)
         for i, ids in enumerate(rows):
@@ -222,8 +223,8 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
         masks.append(mask[:, drop:])
     if batched and not cfg:
         embeds, masks = embeds * 2, masks * 2
-    text = torch.cat(embeds, 0)
-    text_mask = torch.cat(masks, 0)
+    branches = embeds
+    text, text_mask = padded_rows(embeds, masks)
     times["encode"] = time.perf_counter() - t
 
     lat = bundle.latents
@@ -249,7 +250,7 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
             return [to_pil(bundle.graph("vae_decoder", res)(x0[j - lo:j - lo + 1])[0])
                     if j in wanted and lo <= j < hi else None for j in range(n)]
         x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times,
-                                blend, previews=previews, decode=decode)
+                                blend, previews=previews, decode=decode, branches=branches)
     if share:
         if idler and hi > lo:
             group_done()
@@ -266,22 +267,33 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
 
 
 def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
-            times: dict, blend=None, previews: Previews | None = None, decode=None):
+            times: dict, blend=None, previews: Previews | None = None, decode=None, branches=None):
     """The denoise loop over x's images: (final latents, step-cache rows or None). One step graph a step, or
     with step caching on the split graphs (qic/runtime/step_cache.py); the loop is the same one. blend: inpaint's
     (i, latents, sigma_next) -> latents after each step (img2img_start). previews, decode: the loop's
-    (qic.runtime.loop)."""
+    (qic.runtime.loop). branches: the text rows of each branch unpadded ([prompts], [negative prompts]), which a
+    packed-CFG step graph takes in place of text and text_mask."""
     batch = x.shape[0]
     hooks = {"previews": previews, "decode": decode}
     if req.cache.active:
         step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance)
         return denoise_loop(step, x, schedule, record_steps(times), **hooks), decisions.state
     graph = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch)
+    if any(spec["name"] == "negative_embeds" for spec in graph.inputs):   # packed CFG (graphs.packed_cfg)
+        text, text_mask = branches
 
     def step(i, x, timestep, sigma, sigma_next):
         out = graph(x, text, text_mask, timestep, sigma, sigma_next, *guidance)[0]
         return out if blend is None else blend(i, out, sigma_next)
     return denoise_loop(step, x, schedule, record_steps(times), **hooks), None
+
+
+def padded_rows(embeds: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text rows of the branches, each [n, L_i, D] with its mask [n, L_i], as one [rows, max L_i, D] tensor (zeros
+    past each row's length) and its mask: what a step graph over padded text takes."""
+    length = max(e.shape[1] for e in embeds)
+    text = torch.cat([F.pad(e, (0, 0, 0, length - e.shape[1])) for e in embeds], 0)
+    return text, torch.cat([F.pad(m, (0, length - m.shape[1])) for m in masks], 0)
 
 
 def share_of(bundle, res, bucket, n: int, cached: bool) -> list[tuple[int, int]]:

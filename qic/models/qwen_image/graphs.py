@@ -1,7 +1,9 @@
 """Qwen-Image's graph makers: which graphs its components' bundles hold, their eager modules and example inputs.
 
 - text_encoder@L:        ids [1, L], mask [1, L]                     -> hidden [1, L, D]
-- denoiser@HxW@L:        one whole denoise step, cond+uncond batched -> next latents [1, S, C]
+- denoiser@HxW@L:        one whole denoise step, cond+uncond batched -> next latents [1, S, C]; with
+  exact-length text (L0) and one image on one device, text_embeds [1, Lc, J] and negative_embeds [1, Lu, J] at
+  their own lengths instead of text rows [2, L, J] and their mask (packed_cfg)
 - vae_decoder@HxW:       packed latents [1, S, C]                    -> image [1, 3, H, W] in [-1, 1]
 - denoiser@HxW@L@head, @rest, @mid@R1, @tail: the step in parts for step caching (build config `step_cache`),
   inputs and outputs in step_part_graph below; the whole-step graph stays beside them.
@@ -68,10 +70,16 @@ class StepGraph(nn.Module):
 
     def forward(self, *args):
         x = dict(zip(self.names, args))
-        n = x["text_embeds"].shape[1]
-        x["rope_cos"] = torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0)
-        x["rope_sin"] = torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0)
+        x["rope_cos"], x["rope_sin"] = self.tables(x["text_embeds"].shape[1])
+        if "negative_embeds" in x:   # packed CFG: the uncond branch's text has a length of its own, none is padded
+            x["neg_rope_cos"], x["neg_rope_sin"] = self.tables(x["negative_embeds"].shape[1])
+            x["text_mask"] = None
         return self.step(**({"guidance": None} | x))
+
+    def tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) over [n text tokens | image]."""
+        return (torch.cat([self.rope_cos_txt[:n], self.rope_cos_img], 0),
+                torch.cat([self.rope_sin_txt[:n], self.rope_sin_img], 0))
 
 
 class EditStepGraph(nn.Module):
@@ -324,25 +332,41 @@ def denoiser_graph(mmdit, config, vae_scale: int, height: int, width: int, bucke
     rows_of_text = 2 * batch if cfg else batch
     example_len = text_len if bucket else 8
     dt = TORCH_DTYPES[dtype]
+    packed = packed_cfg(bucket, cfg, batch, layout)
 
     def scalar(value):  # distinct tensors: export would treat one object passed twice as one input
         return torch.tensor(value, dtype=torch.float32)
 
-    inputs = [
-        ("latents", torch.zeros(batch, rows * cols, config.in_channels, dtype=dt)),
-        ("text_embeds", torch.zeros(rows_of_text, example_len, config.joint_attention_dim, dtype=dt)),
-        ("text_mask", torch.ones(rows_of_text, example_len, dtype=torch.long)),
-        ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4)),
-    ] + ([("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else [])
+    def text(rows, length):
+        return torch.zeros(rows, length, config.joint_attention_dim, dtype=dt)
+
+    if packed:   # each branch's text at its own length (examples of unequal lengths: two free dimensions)
+        texts = [("text_embeds", text(1, example_len)), ("negative_embeds", text(1, example_len - 2))]
+    else:
+        texts = [("text_embeds", text(rows_of_text, example_len)),
+                 ("text_mask", torch.ones(rows_of_text, example_len, dtype=torch.long))]
+    inputs = [("latents", torch.zeros(batch, rows * cols, config.in_channels, dtype=dt)), *texts,
+              ("timestep", scalar(500.0)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))]
+    inputs += [("guidance", scalar(4.0) if batch == 1 else torch.full((batch,), 4.0))] if cfg else []
     inputs += [(name, torch.zeros(1, dtype=torch.long)) for name in rank_inputs(step)]
     module = StepGraph(step, config, rows, cols, text_len, [n for n, _ in inputs])
     dynamic = None
     if not bucket:
-        text = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
-        dynamic = {name: None for name, _ in inputs} | {"text_embeds": {1: text}, "text_mask": {1: text}}
+        dim = torch.export.Dim("text", min=1, max=MAX_PROMPT_TOKENS)
+        dynamic = {name: None for name, _ in inputs} | {name: {1: dim} for name, _ in texts}
+        if packed:
+            dynamic["negative_embeds"] = {1: torch.export.Dim("negative", min=1, max=MAX_PROMPT_TOKENS)}
     shape = {"resolution": [height, width], "bucket": bucket} | ({} if cfg else {"cfg": False}) | _batch_shape(batch)
     return GraphDef(graph_name("denoiser", (height, width), bucket, cfg, batch), "denoiser", module, inputs,
                     ["latents"], dynamic=dynamic, shape=shape, weight_prefix="step.mmdit.")
+
+
+def packed_cfg(bucket: int, cfg: bool, batch: int, layout: Layout) -> bool:
+    """Whether the step graph takes CFG's two branches' text packed at their own lengths (DenoiseStep.packed):
+    exact-length text, one image, both branches on one device. Padding the shorter branch to the longer one's
+    length (the [2, L] form with a mask) computed, at 128x128 with a 123- and a 54-token prompt, 144 GFLOP a real-
+    width depth-2 step where the two prompts' own lengths need 111 (docs/benchmarks.md, Per image)."""
+    return not bucket and cfg and batch == 1 and layout.cfg == 1 and layout.ulysses == 1
 
 
 def vae_decoder_graph(weights_module, height: int, width: int, batch: int = 1) -> GraphDef:

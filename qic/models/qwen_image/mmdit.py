@@ -185,10 +185,16 @@ class JointAttention(nn.Module):
         self.to_out = nn.ModuleList([RowLinear(local, dim)])
         self.to_add_out = RowLinear(local, dim)
 
-    def forward(self, img, txt, attn_mask, cos, sin):
+    def forward(self, img, txt, attn_mask, cos, sin, neg_cos=None, neg_sin=None):
+        """neg_cos / neg_sin: packed CFG (QwenMMDiT.forward's negative_rope): img [2, S] the cond and uncond rows,
+        txt [1, Lc + Lu] both branches' text one after the other, cos / sin the cond branch's tables over
+        [Lc text | S image] and neg_cos / neg_sin the uncond branch's over [Lu | S]; each branch attends over its
+        own tokens, as two calls of the model at the prompts' own lengths would."""
         def heads(x):
             return x.unflatten(-1, (-1, self.head_dim))  # [B, S, H, D]
 
+        if neg_cos is not None:
+            return self._packed(img, txt, heads, (cos, sin), (neg_cos, neg_sin))
         q = torch.cat([self.norm_added_q(heads(self.add_q_proj(txt))), self.norm_q(heads(self.to_q(img)))], 1)
         k = torch.cat([self.norm_added_k(heads(self.add_k_proj(txt))), self.norm_k(heads(self.to_k(img)))], 1)
         v = torch.cat([heads(self.add_v_proj(txt)), heads(self.to_v(img))], 1)
@@ -203,6 +209,28 @@ class JointAttention(nn.Module):
         out = out.flatten(2).to(q.dtype)
         n_txt = txt.shape[1]
         return self.to_out[0](out[:, n_txt:].contiguous()), self.to_add_out(out[:, :n_txt].contiguous())
+
+    def _packed(self, img, txt, heads, cond_rope, neg_rope):
+        """forward's packed CFG: the projections over every token at once (no padded rows), attention per branch."""
+        if self.exchange is not None:
+            raise ValueError("packed CFG text under Ulysses is not implemented")
+        qt, kt = self.norm_added_q(heads(self.add_q_proj(txt))), self.norm_added_k(heads(self.add_k_proj(txt)))
+        vt = heads(self.add_v_proj(txt))
+        qi, ki, vi = self.norm_q(heads(self.to_q(img))), self.norm_k(heads(self.to_k(img))), heads(self.to_v(img))
+        n_img = img.shape[1]
+        n_cond = cond_rope[0].shape[0] - n_img           # the cond branch's text tokens lead the packed text
+        texts, images = [], []
+        for b, (rows, (cos, sin)) in enumerate(((slice(None, n_cond), cond_rope), (slice(n_cond, None), neg_rope))):
+            q = apply_rope(torch.cat([qt[:, rows], qi[b:b + 1]], 1), cos, sin)
+            k = apply_rope(torch.cat([kt[:, rows], ki[b:b + 1]], 1), cos, sin)
+            v = torch.cat([vt[:, rows], vi[b:b + 1]], 1)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                                                 ).transpose(1, 2).flatten(2).to(q.dtype)
+            n_txt = out.shape[1] - n_img
+            texts.append(out[:, :n_txt])
+            images.append(out[:, n_txt:])
+        return (self.to_out[0](torch.cat(images, 0).contiguous()),
+                self.to_add_out(torch.cat(texts, 1).contiguous()))
 
 
 def _modulate(x, shift, scale):
@@ -232,16 +260,18 @@ class MMDiTBlock(nn.Module):
     def _ln(self, x):
         return F.layer_norm(x, (self.dim,), eps=EPS)
 
-    def forward(self, img, txt, temb, attn_mask, cos, sin, cond_temb=None, cond_tokens=None):
+    def forward(self, img, txt, temb, attn_mask, cos, sin, cond_temb=None, cond_tokens=None, neg_cos=None,
+                neg_sin=None):
         """cond_temb [B, D] / cond_tokens [1, S_img, 1] bool: zero_cond_t's timestep-0 embedding and which image
-        tokens it modulates (None: every image token takes temb's)."""
+        tokens it modulates (None: every image token takes temb's). neg_cos / neg_sin: packed CFG (JointAttention),
+        where temb is [1, D], the one timestep both branches share."""
         # Six chunks per stream: (shift, scale, gate) for the attention half, then for the MLP half.
         cond_params = None if cond_temb is None else self.img_mod(cond_temb).chunk(6, -1)
         i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = _per_token(self.img_mod(temb).chunk(6, -1), cond_params,
                                                            cond_tokens)
         t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = _per_token(self.txt_mod(temb).chunk(6, -1), None, None)
         img_attn, txt_attn = self.attn(_modulate(self._ln(img), i_sh1, i_sc1),
-                                       _modulate(self._ln(txt), t_sh1, t_sc1), attn_mask, cos, sin)
+                                       _modulate(self._ln(txt), t_sh1, t_sc1), attn_mask, cos, sin, neg_cos, neg_sin)
         img = img + i_g1 * img_attn
         txt = txt + t_g1 * txt_attn
         img = img + i_g2 * self.img_mlp(_modulate(self._ln(img), i_sh2, i_sc2))
@@ -291,14 +321,18 @@ class QwenMMDiT(nn.Module):
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_mask: torch.Tensor | None, timestep: torch.Tensor,
                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, condition: torch.Tensor | None = None,
-                condition_mask: torch.Tensor | None = None) -> torch.Tensor:
+                condition_mask: torch.Tensor | None = None, negative_rope: tuple | None = None) -> torch.Tensor:
         """hidden_states [B, S_img, in_ch] packed latents; encoder_hidden_states [B, S_txt, joint_dim];
         encoder_hidden_states_mask [B, S_txt] (nonzero = valid) or None when every token is valid;
         timestep [B] = t / 1000 as diffusers' pipeline passes it; rope_cos/sin from rope_tables(...,
         txt_len=S_txt, conditions=...). Editing: condition [B, S_cond, in_ch], the condition images' packed
         latents after the noise (diffusers' torch.cat([latents, image_latents], 1)), and condition_mask
         [B, S_cond] (nonzero = a real token; None: all are), its padding slots masked as keys like padded
-        text. Returns [B, S_img, patch^2 * out_channels]: the noise tokens' prediction only."""
+        text. Packed CFG (negative_rope, the uncond branch's (cos, sin) over [its text | image]): hidden_states
+        [2, S_img, in_ch] the cond and uncond rows of one image, encoder_hidden_states [1, Lc + Lu, joint_dim] the
+        prompt's then the negative prompt's text at their own lengths, no mask, timestep [1], rope_cos / rope_sin
+        the cond branch's tables: the two branches' predictions [2, ...] without computing padded text rows.
+        Returns [B, S_img, patch^2 * out_channels]: the noise tokens' prediction only."""
         noise_tokens = hidden_states.shape[1]
         if condition is not None:
             hidden_states = torch.cat([hidden_states, condition.to(hidden_states.dtype)], 1)
@@ -308,8 +342,9 @@ class QwenMMDiT(nn.Module):
             cond_temb = self.time_embedding(timestep * 0, img.dtype)
             cond_tokens = (torch.arange(img.shape[1], device=img.device) >= noise_tokens)[None, :, None]
         attn_mask = self.attention_mask(encoder_hidden_states_mask, img, condition_mask, txt)
+        neg_cos, neg_sin = negative_rope or (None, None)
         img, txt = self.blocks(img, txt, temb, attn_mask, rope_cos, rope_sin, cond_temb=cond_temb,
-                               cond_tokens=cond_tokens)
+                               cond_tokens=cond_tokens, neg_cos=neg_cos, neg_sin=neg_sin)
         return self.output(img[:, :noise_tokens], temb)
 
     # The forward's three parts, also called one by one by the step-caching graphs
@@ -344,11 +379,11 @@ class QwenMMDiT(nn.Module):
         return torch.cat(parts, 1)[:, None, None, :]
 
     def blocks(self, img, txt, temb, attn_mask, rope_cos, rope_sin, start: int = 0, stop: int | None = None,
-               cond_temb=None, cond_tokens=None):
+               cond_temb=None, cond_tokens=None, neg_cos=None, neg_sin=None):
         """Blocks start..stop-1 (all by default) over both streams. Slicing works for the unrolled block list
         and for the looped one (qic/models/looped.py: a slice of the stacked weights, no copy)."""
         for block in self.transformer_blocks[start:stop]:
-            img, txt = block(img, txt, temb, attn_mask, rope_cos, rope_sin, cond_temb, cond_tokens)
+            img, txt = block(img, txt, temb, attn_mask, rope_cos, rope_sin, cond_temb, cond_tokens, neg_cos, neg_sin)
         return img, txt
 
     def output(self, img, temb):

@@ -43,13 +43,21 @@ class DenoiseStep(nn.Module):
                 timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                 guidance: torch.Tensor | None, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 cfg_rank: torch.Tensor | None = None, sp_rank: torch.Tensor | None = None,
-                condition: torch.Tensor | None = None, condition_mask: torch.Tensor | None = None) -> torch.Tensor:
+                condition: torch.Tensor | None = None, condition_mask: torch.Tensor | None = None,
+                negative_embeds: torch.Tensor | None = None, neg_rope_cos: torch.Tensor | None = None,
+                neg_rope_sin: torch.Tensor | None = None) -> torch.Tensor:
         """latents [B, S_img, C] packed; timestep, sigma, sigma_next: 0-dim fp32 tensors (timestep = the
         scheduler's t, i.e. sigma * 1000); guidance: 0-dim (every image) or [B] (one per image) fp32;
         rope tables from rope_tables(config, h, w, L); cfg_rank / sp_rank: this rank's CFG branch and Ulysses
         shard, [1] int64 (the parallel layouts only). Editing: condition [B, K, C], each image's condition latents
         (both CFG branches read the same), condition_mask [B, K] (nonzero = a real token, the rest spare slots),
-        and rope tables over [text | image | conditions]. Returns the next latents [B, S_img, C] in latents' dtype."""
+        and rope tables over [text | image | conditions]. Packed CFG (negative_embeds given; one image, one device
+        for both branches): text_embeds [1, Lc, D] the prompt's rows and negative_embeds [1, Lu, D] the negative
+        prompt's, each at its own length (no mask, no padded rows), rope_cos / rope_sin over [Lc | image] and
+        neg_rope_cos / neg_rope_sin over [Lu | image]. Returns the next latents [B, S_img, C] in latents' dtype."""
+        if negative_embeds is not None:
+            return self.packed(latents, text_embeds, negative_embeds, timestep, sigma, sigma_next, guidance,
+                               (rope_cos, rope_sin), (neg_rope_cos, neg_rope_sin))
         images = latents.shape[0]
         rows = 2 * images if self.cfg else images
         if text_embeds.shape[0] != rows:
@@ -72,6 +80,17 @@ class DenoiseStep(nn.Module):
         if self.cfg_parallel:
             pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)
+
+
+    def packed(self, latents, text_embeds, negative_embeds, timestep, sigma, sigma_next, guidance, rope, neg_rope):
+        """forward's packed CFG: one transformer call over both branches' rows, the text of each at its length."""
+        if not self.cfg or self.cfg_parallel or self.shard is not None or latents.shape[0] != 1:
+            raise ValueError("packed CFG text is one image's two branches on one device (CFG on, no CFG-parallel "
+                             "or Ulysses)")
+        text = torch.cat([text_embeds, negative_embeds.to(text_embeds.dtype)], 1)
+        pred = self.mmdit(latents.repeat(2, 1, 1), text, None, model_timestep(timestep, latents, 1), *rope,
+                          negative_rope=neg_rope)
+        return guide_and_update(latents, pred, guidance, sigma, sigma_next, True)
 
 
 def branch_rows(latents, text_embeds, text_mask, cfg: bool, cfg_parallel: bool, cfg_rank):
