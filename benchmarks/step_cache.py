@@ -22,6 +22,7 @@ benchmarks.realwidth at --realwidth-depth blocks and 128x128; --smoke: the tiny 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -135,15 +136,55 @@ def build(ckpt: Path, res, bucket: int, out: Path, cache_dir: Path, backend: str
 
 
 def bench_model(model: str, args, work: Path) -> list[dict]:
-    from qic.runtime.bundle import Bundle
-    from qic.runtime.generate import Request, generate
+    """qic's images first, then the references' (the same settings; the thresholds from qic's probe), each side
+    alone in memory: at --realwidth-depth 8 a side's fp32 weights are about 11 GB, two of them more than 24 GB."""
     ckpt, res = checkpoint(model, work, args.realwidth_depth)
     # The tiny model's bucket (and --smoke's back end) are the test suite's step-caching bundle's
     # (tests/test_step_cache.py): cache hits.
     bucket = 72 if model == "tiny" else 128
-    bundle = Bundle(build(ckpt, res, bucket, work / f"bundle-{model}", Path(args.cache_dir), args.backend))
+    out = build(ckpt, res, bucket, work / f"bundle-{model}", Path(args.cache_dir), args.backend)
+    prompt = PROMPTS[model]
+    ours = qic_side(out, prompt, res, args.steps)
+    gc.collect()                       # the bundle's weights unmapped before the pipeline loads its own
     pipe = diffusers_pipe(ckpt)
-    prompt, rows = PROMPTS[model], []
+
+    def timed(fn, *a, **kw):
+        t = time.perf_counter()
+        result = fn(*a, **kw)
+        return result, time.perf_counter() - t
+
+    pipe_call(pipe, prompt, 2, *res)   # warm-up, untimed: the pipeline's first call pays one-off costs
+    rows = []
+    for steps in args.steps:
+        (base, base_s), cached = ours[steps]
+        ref, ref_s = timed(pipe_call, pipe, prompt, steps, *res)
+        rows.append({"model": model, "steps": steps, "setting": "uncached", "qic_s": base_s, "diffusers_s": ref_s,
+                     "qic_computed": [steps, steps], "diffusers_computed": [steps, steps],
+                     "qic_psnr": math.inf, "diffusers_psnr": math.inf, "qic_vs_diffusers_psnr": psnr(base.image, ref)})
+        for thr, r, q_s in cached:
+            mask = static_mask(steps)
+            if thr is not None:
+                setting = f"threshold {thr:g}"
+                (img, computed), d_s = timed(fbc_reference, pipe, thr, prompt, steps, *res)
+            else:
+                setting = f"mask {len(mask)}/{steps}"
+                lead = next(i for i in range(steps + 1) if i == steps or i not in mask)
+                (img, computed), d_s = timed(dbcache_reference, pipe, steps, prompt, *res, Fn_compute_blocks=1,
+                                             Bn_compute_blocks=0, max_warmup_steps=lead, residual_diff_threshold=0.08,
+                                             steps_computation_mask=[int(i in mask) for i in range(steps)],
+                                             steps_computation_policy="static")
+            rows.append(side_by_side(model, steps, setting, r, q_s, img, computed, d_s, base, ref))
+    depth = json.loads((ckpt / "transformer" / "config.json").read_text())["num_layers"]
+    return [r | {"depth": depth} for r in rows]
+
+
+def qic_side(out: Path, prompt: str, res, step_counts: list[int]) -> dict:
+    """steps -> ((uncached Result, seconds), [(threshold or None for the mask, Result, seconds)]): the uncached
+    image, a probe whose figures give three thresholds, an image at each, and one at the static mask (the bundle
+    dropped on return)."""
+    from qic.runtime.bundle import Bundle
+    from qic.runtime.generate import Request, generate
+    bundle = Bundle(out)
 
     def qic_image(steps, **cache):
         t = time.perf_counter()
@@ -151,37 +192,18 @@ def bench_model(model: str, args, work: Path) -> list[dict]:
                                      **cache))
         return r, time.perf_counter() - t
 
-    def timed(fn, *a, **kw):
-        t = time.perf_counter()
-        out = fn(*a, **kw)
-        return out, time.perf_counter() - t
-
-    # Warm-up, untimed: each graph's first call and the pipeline's first call pay one-off costs.
+    # Warm-up, untimed: each graph's first call pays one-off costs.
     qic_image(2)
     qic_image(2, cache_threshold=1e-9)   # every step computes: head and rest
     qic_image(2, cache_steps="0")        # step 1 caches: head and tail
-    pipe_call(pipe, prompt, 2, *res)
-    for steps in args.steps:
-        base, base_s = qic_image(steps)
-        ref, ref_s = timed(pipe_call, pipe, prompt, steps, *res)
-        rows.append({"model": model, "steps": steps, "setting": "uncached", "qic_s": base_s, "diffusers_s": ref_s,
-                     "qic_computed": [steps, steps], "diffusers_computed": [steps, steps],
-                     "qic_psnr": math.inf, "diffusers_psnr": math.inf, "qic_vs_diffusers_psnr": psnr(base.image, ref)})
+    runs = {}
+    for steps in step_counts:
+        base = qic_image(steps)
         probe, _ = qic_image(steps, cache_threshold=1e-9)   # figures only: nothing is that close
-        for thr in thresholds_from(probe.figures):
-            (img, computed), d_s = timed(fbc_reference, pipe, thr, prompt, steps, *res)
-            r, q_s = qic_image(steps, cache_threshold=thr)
-            rows.append(side_by_side(model, steps, f"threshold {thr:g}", r, q_s, img, computed, d_s, base, ref))
-        mask = static_mask(steps)
-        lead = next(i for i in range(steps + 1) if i == steps or i not in mask)
-        (img, computed), d_s = timed(dbcache_reference, pipe, steps, prompt, *res, Fn_compute_blocks=1,
-                                     Bn_compute_blocks=0, max_warmup_steps=lead, residual_diff_threshold=0.08,
-                                     steps_computation_mask=[int(i in mask) for i in range(steps)],
-                                     steps_computation_policy="static")
-        r, q_s = qic_image(steps, cache_steps=",".join(map(str, mask)))
-        rows.append(side_by_side(model, steps, f"mask {len(mask)}/{steps}", r, q_s, img, computed, d_s, base, ref))
-    depth = json.loads((ckpt / "transformer" / "config.json").read_text())["num_layers"]
-    return [r | {"depth": depth} for r in rows]
+        cached = [(thr, *qic_image(steps, cache_threshold=thr)) for thr in thresholds_from(probe.figures)]
+        cached.append((None, *qic_image(steps, cache_steps=",".join(map(str, static_mask(steps))))))
+        runs[steps] = base, cached
+    return runs
 
 
 def row_key(r: dict) -> tuple:
