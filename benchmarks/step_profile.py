@@ -79,13 +79,18 @@ def step_module(size: int, bucket: int, depth: int, tiny: bool = False):
             p.normal_(0, 0.02)
     gdef = make_graph("denoiser", module, parsed, {"resolution": [size, size], "bucket": bucket}, "float32")
     inputs = [torch.randn_like(t) if t.is_floating_point() and t.dim() else t for _, t in gdef.inputs]
-    mask = dict(gdef.inputs)["text_mask"]
-    # the realistic prompt lengths of the real-width benchmark: 33 (cond) and 20 (uncond) of the bucket
+    # the realistic prompt lengths of the real-width benchmark: 33 (cond) and 20 (uncond) of the bucket, or at
+    # exact length (bucket 0: packed CFG) the two branches' text at those lengths
     names = [n for n, _ in gdef.inputs]
-    text_mask = torch.zeros_like(mask)
-    text_mask[0, :33] = 1
-    text_mask[1, :20] = 1
-    inputs[names.index("text_mask")] = text_mask
+    if "negative_embeds" in names:
+        for name, n in (("text_embeds", 33), ("negative_embeds", 20)):
+            t = inputs[names.index(name)]
+            inputs[names.index(name)] = torch.randn(1, n, t.shape[2], dtype=t.dtype)
+    else:
+        text_mask = torch.zeros_like(dict(gdef.inputs)["text_mask"])
+        text_mask[0, :33] = 1
+        text_mask[1, :20] = 1
+        inputs[names.index("text_mask")] = text_mask
     inputs[names.index("timestep")] = torch.tensor(500.0)
     return gdef.module.eval(), inputs
 

@@ -202,7 +202,7 @@ def prediction_error(latents: torch.Tensor, got: torch.Tensor, want: torch.Tenso
 
 
 RANK_AXES = {"cfg_rank": "cfg", "sp_rank": "sp"}
-PARTS = (("head", None), ("rest", None), ("mid", 1), ("tail", None))
+PARTS = (("head", None), ("rest", None), ("mixed", 1), ("mid", 1), ("tail", None))
 
 
 # What each part's check compares: the outputs that are not mostly an input passed through. The middle's img and
@@ -210,11 +210,12 @@ PARTS = (("head", None), ("rest", None), ("mid", 1), ("tail", None))
 # input plus the update, so its prediction is (sigma 1 -> 0: euler_whole); the rest (middle and tail) has both; the
 # head's outputs are all computed.
 CHECKED = {"head": ("img", "txt", "temb", "residual", "diff"), "mid": ("img_residual", "txt_residual"),
-           "tail": ("prediction",), "rest": ("prediction", "img_residual", "txt_residual")}
+           "tail": ("prediction",), "rest": ("prediction", "img_residual", "txt_residual"),
+           "mixed": ("prediction", "img_residual", "txt_residual")}
 
 
 def step_cache_check(tp: int, first: int = 1, last: int = 1) -> dict:
-    """Step caching's split graphs (head, rest, mid over one row, tail) of a 4-block denoiser at TP=tp:
+    """Step caching's split graphs (head, rest, mixed, mid over one row, tail) of a 4-block denoiser at TP=tp:
     lowered, executed on tp XLA:CPU devices with each rank's shard, every CHECKED output compared with the TP=1
     eager part on the same weights; plus a host transfer count (a decision read inside a graph would be one).
     Two broken runs show the comparison can fail: the text mask dropped (every key attended), and at tp > 1

@@ -209,7 +209,7 @@ def test_build_prints_the_plan_before_any_work(tmp_path):
 
 @pytest.mark.parametrize("split", [(1, 0), (1, 1)], ids=["F1B0", "F1B1"])
 def test_plan_flops_of_the_step_and_its_cache_parts_equal_a_count_of_the_eager_graphs(split, tmp_path):
-    """`qic plan --step-cache`: each denoiser graph's FLOPs (the whole step, head, rest, mid@R1, tail) against
+    """`qic plan --step-cache`: each denoiser graph's FLOPs (the whole step, head, rest, mixed@R1, tail) against
     torch's FLOP counter over the same graph run eagerly at the real depth on real weights (the tiny preset,
     3 blocks). FLOPs follow from shapes alone, so the two are equal exactly: the plan's come from fake tensors at
     fewer layers, extrapolated linearly. It can fail: the middle counted at one block fewer (what the plan gave
@@ -232,11 +232,11 @@ def test_plan_flops_of_the_step_and_its_cache_parts_equal_a_count_of_the_eager_g
         return flops.get_total_flops()
 
     shapes = {name_of(c, s): s for c, s in graph_shapes(spec) if c == "denoiser"}
-    assert {n.removeprefix("denoiser@48x80@L128") for n in shapes} == {"", "@head", "@rest", "@mid@R1", "@tail"}
+    assert {n.removeprefix("denoiser@48x80@L128") for n in shapes} == {"", "@head", "@rest", "@mixed@R1", "@tail"}
     layers = configs["denoiser"].num_layers
     for name, shape in shapes.items():
         assert plan[name] == count(shape, layers), name
-    for middle in ("denoiser@48x80@L128@rest", "denoiser@48x80@L128@mid@R1"):   # both run the middle blocks
+    for middle in ("denoiser@48x80@L128@rest", "denoiser@48x80@L128@mixed@R1"):   # both run the middle blocks
         assert plan[middle] > 0 and plan[middle] != count(shapes[middle], layers - 1), middle
 
 

@@ -78,7 +78,7 @@ def test_eager_model_has_graph_answers_as_the_bundle_it_stands_in_for(both):
     asks = ([("text_encoder", None, b, True, n, None) for b, n in itertools.product(buckets, batches)]
             + [("vae_decoder", r, None, True, n, None) for r, n in itertools.product(resolutions, batches)]
             + [("denoiser", *key) for key in itertools.product(resolutions, buckets, (True, False), batches,
-                                                               (None, "head", "rest", "mid", "tail"))])
+                                                               (None, "head", "rest", "mixed", "mid", "tail"))])
     held = 0
     for component, res, bucket, cfg, batch, part in asks:
         want = bundle.has_graph(component, res, bucket, cfg=cfg, batch=batch, part=part)

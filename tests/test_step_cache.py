@@ -135,6 +135,21 @@ def test_split_parts_are_the_whole_step():
                 # One row alone through the one-row middle: the same residuals as in the batch of two.
                 one = part("mid", rows=1)(img[1:], tx[1:], temb[1:], mask[1:])
                 assert rel_l2(one[2], r_img[1:]) <= mmdit_bound("tiny")
+                # Row 1 computing and row 0 cached on this step's own residual, in one graph (mixed) and in two
+                # (that one-row middle, then the tail): the same arithmetic, bit for bit.
+                stored_txt = [r_txt] if last else []
+                mixed = part("mixed", rows=1)(img, tx, temb, mask, lat, r_img, torch.tensor([1]), *scalars[1:],
+                                              *stored_txt)
+                text = [mask, torch.cat([tx[:1], one[1]]), torch.cat([r_txt[:1], torch.zeros_like(one[3])])]
+                base, res = torch.cat([img[:1], one[0]]), torch.cat([r_img[:1], torch.zeros_like(one[2])])
+                three = part("tail")(lat, base, res, temb, *scalars[1:], *(text if last else []))
+                assert torch.equal(mixed[0], three)
+                assert torch.equal(mixed[1], one[2]) and torch.equal(mixed[2], one[3])
+                assert rel_l2(mixed[0], want) <= mmdit_bound("tiny")
+                # and can fail: row 0 cached on no residual (its middle skipped) is far off
+                skipped_row = part("mixed", rows=1)(img, tx, temb, mask, lat, torch.zeros_like(r_img),
+                                                    torch.tensor([1]), *scalars[1:], *stored_txt)[0]
+                assert rel_l2(skipped_row, want) > 100 * mmdit_bound("tiny")
     # The check can fail: a split that skips a block (first + last over the wrong range) is far off.
     with torch.no_grad():
         head = step_part_graph(ref, config, 8, *TINY_RES, 64, "float32", "head", 1, 0).module
@@ -185,7 +200,7 @@ def test_threshold_zero_is_the_uncached_image_and_a_mask_replays_decisions(fbc_b
 
 def test_inspect_names_the_split_and_lists_its_graphs(fbc_bundle, bundle):
     """`qic inspect`'s step-caching line says the split the bundle was built with, and the graphs table holds the
-    four split graphs (head, rest, mid@R1, tail) beside the whole step; a bundle built without --step-cache has
+    four split graphs (head, rest, mixed@R1, tail) beside the whole step; a bundle built without --step-cache has
     neither."""
     def inspect(path) -> tuple[str, set[str]]:   # (its text, the graphs table's first column), unwrapped
         out = qic("inspect", path, env={"COLUMNS": "300"}).stdout
@@ -194,8 +209,9 @@ def test_inspect_names_the_split_and_lists_its_graphs(fbc_bundle, bundle):
     out, graphs = inspect(fbc_bundle)
     assert "step caching: split graphs, first 1 and last 0 blocks always computed" in out, out
     step = "denoiser@{}x{}@L72".format(*TINY_RES)
-    assert {step, f"{step}@head", f"{step}@rest", f"{step}@mid@R1", f"{step}@tail"} <= graphs, graphs
-    assert f"{step}@mid" not in graphs, graphs   # the all-rows middle runs inside @rest
+    assert {step, f"{step}@head", f"{step}@rest", f"{step}@mixed@R1", f"{step}@tail"} <= graphs, graphs
+    # the all-rows middle runs inside @rest, the one-row middle inside @mixed (two rows: one computes at most)
+    assert f"{step}@mid" not in graphs and f"{step}@mid@R1" not in graphs, graphs
     plain, graphs = inspect(bundle)
     assert "step caching" not in plain and not any(f"@{p}" in g for p in ("head", "rest", "mid", "tail")
                                                    for g in graphs)
@@ -304,21 +320,22 @@ def test_a_batch_of_two_through_qic_serve_decides_per_image(shapes_bundle_batch2
 def test_split_graphs_lower_and_run_on_xla_cpu(tp):
     """Each split graph of a 4-block denoiser lowered at TP=tp and run on tp XLA:CPU devices, against TP 1 eager on
     the same weights: the outputs that are not an input passed through (benchmarks/xla_lowering.py CHECKED: the
-    head's five, the middle's residuals, the tail's prediction, the rest's both), in rel-L2 and in max-abs over the
-    output's largest magnitude. Both are fp32 reorderings of the same sums (XLA's fusion and blocking, the TP
-    split), so both are held to the reordering bound of this model's sums (tests/helpers.py); a dropped text mask,
-    or at TP 2 rank 0 holding rank 1's shard, moves them by a hundred times that."""
+    head's five, the middle's residuals, the tail's prediction, the rest's and the mixed graph's both), in rel-L2
+    and in max-abs over the output's largest magnitude. Both are fp32 reorderings of the same sums (XLA's fusion
+    and blocking, the TP split), so both are held to the reordering bound of this model's sums (tests/helpers.py);
+    a dropped text mask, or at TP 2 rank 0 holding rank 1's shard, moves them by a hundred times that."""
     from tests.helpers import fp32_reorder_bound
     from tests.test_neuron_xla import xla
     proc = xla("-m", "benchmarks.xla_lowering", "step-cache", tp, env={"CPU_NUM_DEVICES": str(tp)})
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(result) == sorted(f"denoiser@48x80@L128@{p}" for p in ("head", "rest", "mid@R1", "tail"))
+    assert sorted(result) == sorted(f"denoiser@48x80@L128@{p}" for p in ("head", "rest", "mixed@R1", "mid@R1", "tail"))
     c = preset("tiny")["transformer"]
     bound = fp32_reorder_bound(4 * c["num_attention_heads"] * c["attention_head_dim"], 8 * 4 + 4)   # 4 blocks
     for name, r in result.items():
         print(name, {k: v for k, v in r.items() if k in ("cos", "checked")})
-        # one loop a block range: the rest runs two (the middle's blocks, then the tail's)
-        assert r["host_transfers"] == 0 and r["while"] == (2 if name.endswith("@rest") else 1)
+        # one loop a block range: the rest and the mixed graph run two (the middle's blocks, then the tail's)
+        two_loops = name.endswith(("@rest", "@mixed@R1"))
+        assert r["host_transfers"] == 0 and r["while"] == (2 if two_loops else 1)
         assert len(r["checked"]) == tp
         for rank in r["checked"]:
             for output, e in rank.items():
@@ -329,9 +346,9 @@ def test_split_graphs_lower_and_run_on_xla_cpu(tp):
         if tp > 1:
             assert r["replica_groups"] == [json.dumps([list(range(tp))])]
             # Per block four all-reduces (both streams' attention and MLP outputs) over the 4-block model's
-            # split 1 | 2 | 1 (each loop body holds them once: the rest has two loops), plus the head's timestep
-            # embedder: the decision's means add none (the image stream is whole on every rank).
-            assert r["all_reduce"] == {"@head": 5, "@rest": 8}.get(name[name.rfind("@"):], 4)
+            # split 1 | 2 | 1 (each loop body holds them once: the rest and the mixed graph have two loops), plus the
+            # head's timestep embedder: the decision's means add none (the image stream is whole on every rank).
+            assert r["all_reduce"] == (5 if name.endswith("@head") else 8 if two_loops else 4)
         else:
             assert r["all_reduce"] == 0
 
@@ -403,7 +420,7 @@ def test_neuron_bundle_with_step_caching_runs_on_xla_cpu_like_torch(fbc_bundle, 
     xla_qic("build", "--backend", "neuron", "--model", tiny_ckpt, "--cache-dir", neuron_cache,
             "--output", out, "--resolution", "{}x{}".format(*TINY_RES), "--text-buckets", "72", "--step-cache", "1,0")
     graphs = json.loads((out / "manifest.json").read_text())["graphs"]
-    parts = [g for g in graphs if any(f"@{p}" in g["name"] for p in ("head", "rest", "mid", "tail"))]
+    parts = [g for g in graphs if any(f"@{p}" in g["name"] for p in ("head", "rest", "mixed", "mid", "tail"))]
     assert len(parts) == 4 and all(0 <= g["checks"]["xla_cpu_rel_l2"] <= XLA_CPU_REL_L2 for g in parts), parts
     flags = ["--prompt", SHORT_PROMPT, "--steps", STEPS, "--cache-threshold", 1.2]
     xla_qic("run", out, "--device", "xla-cpu", *flags, "--output", tmp_path / "xla.png")

@@ -175,7 +175,7 @@ def test_a_bundle_with_the_earlier_three_call_split_is_refused_in_one_line():
     from qic.runtime.step_cache import CachedStep
 
     class EarlierBundle:   # FAKE: a Runnable that holds only the earlier split's graphs
-        def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None):
+        def has_graph(self, component, resolution=None, bucket=None, cfg=True, batch=1, part=None, rows=None):
             return part in ("head", "mid", "tail")
 
         def graph(self, *args, **kw):
@@ -184,3 +184,56 @@ def test_a_bundle_with_the_earlier_three_call_split_is_refused_in_one_line():
     text, mask = torch.zeros(2, 8, 16), torch.ones(2, 8, dtype=torch.long)
     with pytest.raises(QicError, match="an earlier qic's .* build it again"):
         CachedStep(EarlierBundle(), (48, 80), 72, True, 1, text, mask, [], lambda i, d: [True, True], slice(0, 2))
+
+
+class _Counted:
+    """A graph that records its part's name in `calls` at each call (and otherwise answers as the graph)."""
+
+    def __init__(self, graph, part, calls):
+        self._graph, self._part, self._calls = graph, part, calls
+
+    def __getattr__(self, name):
+        return getattr(self._graph, name)
+
+    def __call__(self, *tensors):
+        self._calls.append(self._part)
+        return self._graph(*tensors)
+
+
+def test_steps_whose_branches_decide_apart_take_two_graph_calls(tiny_ckpt, one_device):
+    """One device, the run above whose branches decide apart: every step is two graph calls, the head and then the
+    rest, the tail or the mixed graph (one branch's middle and both branches' tail), and the run is the three-call
+    path's (the one-row middle, then the tail: a bundle built before the mixed graph) pixel for pixel, step for
+    step: the same arithmetic, eagerly."""
+    from qic.builder.eager import EagerModel
+    from qic.runtime.generate import Request, generate
+
+    def run(mixed: bool):
+        model = EagerModel(str(tiny_ckpt), [TINY_RES], [BUCKET], step_cache=(1, 0))
+        graph, held, calls = model.graph, model.has_graph, []
+        model.graph = lambda *a, **kw: (_Counted(graph(*a, **kw), kw["part"], calls) if kw.get("part")
+                                        else graph(*a, **kw))
+        if not mixed:   # as a bundle built before the mixed graph, with the one-row middle in its place
+            model._split = (model._split - {("mixed", 1)}) | {("mid", 1)}
+            model.has_graph = lambda *a, **kw: kw.get("part") != "mixed" and held(*a, **kw)
+        r = generate(model, Request(PROMPT, steps=STEPS, seed=SEED, guidance=4.0, cache_threshold=THRESHOLD))
+        return r, calls
+
+    two, calls = run(True)
+    three, calls3 = run(False)
+    steps = _per_step(calls)
+    assert len(steps) == STEPS and all(len(s) == 2 for s in steps), steps
+    assert any(s[1] == "mixed" for s in steps), steps           # the branches decided apart at some step
+    assert max(len(s) for s in _per_step(calls3)) == 3          # which the earlier split ran in three calls
+    assert two.computed == three.computed == one_device[4.0][1]
+    assert pixels(two.image).tolist() == pixels(three.image).tolist()
+
+
+def _per_step(calls: list[str]) -> list[list[str]]:
+    """Graph calls grouped by step: each step starts with the head (step caching's first step too)."""
+    steps: list[list[str]] = []
+    for part in calls:
+        if part == "head":
+            steps.append([])
+        steps[-1].append(part)
+    return steps

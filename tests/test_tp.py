@@ -86,6 +86,17 @@ def _run(component: str, module, x: dict):
         return module(x["vae"])
 
 
+def _run_packed(module, x: dict):
+    """The denoiser as a packed-CFG step calls it (DenoiseStep.packed): the two rows' text at their own lengths
+    (the padded inputs' 10 and 7 valid tokens) one after the other, one timestep, each row's RoPE tables."""
+    img, txt, mask, t = x["dn"]
+    cond, uncond = (int(n) for n in mask.sum(1))
+    text = torch.cat([txt[:1, :cond], txt[1:, :uncond]], 1)
+    with torch.no_grad():
+        return module(img, text, None, t[:1], *rope_tables(module.config, *GRID, cond),
+                      negative_rope=rope_tables(module.config, *GRID, uncond))
+
+
 def _module(component: str, cfg, tp: int):
     if component == "text_encoder":
         return QwenTextEncoder(cfg, tp)
@@ -153,6 +164,8 @@ def reference(full_weights) -> dict:
             m = _module(comp, cfg[comp], 1)
             m.load_state_dict(full_weights[comp])
             out[comp] = _run(comp, m.eval(), x)
+            if comp == "denoiser":
+                out["denoiser_packed"] = _run_packed(m, x)
         return out
     finally:
         torch.set_num_threads(threads)
@@ -184,6 +197,7 @@ def _rank_eager(rank: int, tp: int, ckpt_root: str, files: dict) -> dict:
         assert (n == 0) == (comp == "vae_decoder"), (comp, n)
         out[comp] = _run(comp, m, x)
         mods[comp] = m
+    out["denoiser_packed"] = _run_packed(mods["denoiser"], x)   # packed CFG: the same collectives, per branch
 
     te, dn = mods["text_encoder"], mods["denoiser"]
     with torch.device("meta"):
@@ -508,7 +522,7 @@ def eager_run(request, tp_ckpt, shards):
 @pytest.mark.slow
 def test_tp_matches_tp1(eager_run, reference):
     tp, results = eager_run
-    for comp in ("text_encoder", "denoiser"):
+    for comp in ("text_encoder", "denoiser", "denoiser_packed"):
         ref = reference[comp]
         for r, res in enumerate(results):
             out = res["out"][comp]

@@ -119,9 +119,9 @@ class EagerModel:
         refuse_unlisted(height, width, self.resolutions, "eager model")
 
     def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
-                  part: str | None = None) -> bool:
+                  part: str | None = None, rows: int | None = None) -> bool:
         """As a bundle of these resolutions, buckets, CFG modes, batch sizes and step_cache answers."""
-        return self._holds(component, resolution, bucket, cfg, batch, part, None)
+        return self._holds(component, resolution, bucket, cfg, batch, part, rows)
 
     def _holds(self, component, resolution, bucket, cfg, batch, part, rows) -> bool:
         """has_graph, with the rows of step caching's split graphs over fewer rows (@R<rows>)."""

@@ -126,8 +126,8 @@ class Bundle:
             raise BundleError(f"{self.path}: no graph {name} in this bundle") from None
 
     def has_graph(self, component: str, resolution=None, bucket=None, cfg: bool = True, batch: int = 1,
-                  part: str | None = None) -> bool:
-        return _key(component, graph_name(component, resolution, bucket, cfg, batch, part)) in self.graphs
+                  part: str | None = None, rows: int | None = None) -> bool:
+        return _key(component, graph_name(component, resolution, bucket, cfg, batch, part, rows)) in self.graphs
 
     def check_resolution(self, height: int, width: int) -> None:
         refuse_unlisted(height, width, self.resolutions, "bundle")

@@ -30,24 +30,27 @@ class RowDecisions:
 
 class CachedStep:
     """One denoise step over the split graphs, a Step of the denoise loop: the head, then the rest (middle and
-    tail in one graph) when every row computes, else the middle over each computing row and the tail; two graph
-    calls a step unless CFG's rows decide apart. Holds what carries from step to step (each row's last computed
-    residuals). Rows: the text rows (with CFG: the images' cond rows, then their uncond rows); under CFG-parallel
-    this rank's graphs run its branch's rows only (`mine`)."""
+    tail in one graph) when every row computes, the tail when every row caches, the mixed graph (one row's middle
+    and every row's tail) when one row computes and the others cache: two graph calls a step. Only where several
+    rows compute and others cache (a batch's), the middle over each computing row, then the tail. Holds what
+    carries from step to step (each row's last computed residuals). Rows: the text rows (with CFG: the images' cond
+    rows, then their uncond rows); under CFG-parallel this rank's graphs run its branch's rows only (`mine`)."""
 
     def __init__(self, model: Runnable, res, bucket, cfg: bool, batch: int, text, text_mask, guidance: list,
                  decide: Callable[[int, torch.Tensor], list[bool]], mine: slice):
         def part(name: str, rows: int | None = None):
             return model.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part=name, rows=rows)
 
-        def held(name: str) -> bool:
-            return model.has_graph("denoiser", res, bucket, cfg=cfg, batch=batch, part=name)
+        def held(name: str, rows: int | None = None) -> bool:
+            return model.has_graph("denoiser", res, bucket, cfg=cfg, batch=batch, part=name, rows=rows)
         if held("mid") and not held("rest"):
             raise QicError("this bundle's step-caching graphs are an earlier qic's (head, mid, tail; now head, rest, "
                            "mid@R1, tail): build it again, its other graphs come from the compile cache")
         self.head, self.rest, self.tail = part("head"), part("rest"), part("tail")
         self.local = mine.stop - mine.start                # the rows this rank's middle and tail run
-        self.mid_one = part("mid", rows=1) if self.local > 1 else None
+        # Bundles built before the mixed graph hold the one-row middle for two rows too: the three-call path.
+        self.mixed = part("mixed", rows=1) if held("mixed", rows=1) else None
+        self.mid_one = part("mid", rows=1) if held("mid", rows=1) else None
         self.with_text = any(spec["name"] == "txt_base" for spec in self.tail.inputs)
         self.text, self.text_mask, self.local_mask = text, text_mask, text_mask[mine]
         self.guidance, self.decide = guidance, decide
@@ -63,17 +66,25 @@ class CachedStep:
                                                               *self.guidance)
             self.prev = residual
             return out
-        out_img, out_txt = img.clone(), txt.clone()
         res_img = torch.zeros_like(img) if self.stored_img is None else self.stored_img.clone()
         res_txt = torch.zeros_like(txt) if self.stored_txt is None else self.stored_txt.clone()
-        for r in (r for r in range(local) if compute[r]):   # only with more than one row (mid_one exists)
+        mask = torch.tensor(compute).reshape(local, 1, 1)
+        self.prev = residual if self.prev is None else torch.where(mask, residual, self.prev)
+        if sum(compute) == 1 and self.mixed is not None:
+            r = compute.index(True)
+            extra = [res_txt] if self.with_text else []
+            out, r_img, r_txt = self.mixed(img, txt, temb, local_mask, x, res_img, torch.tensor([r]), sigma,
+                                           sigma_next, *self.guidance, *extra)
+            res_img[r], res_txt[r] = r_img[0], r_txt[0]
+            self.stored_img, self.stored_txt = res_img, res_txt
+            return out
+        out_img, out_txt = img.clone(), txt.clone()
+        for r in (r for r in range(local) if compute[r]):   # with several computing rows (mid_one exists)
             o_i, o_t, r_i, r_t = self.mid_one(img[r:r + 1], txt[r:r + 1], temb[r:r + 1], local_mask[r:r + 1])
             out_img[r], out_txt[r], res_img[r], res_txt[r] = o_i[0], o_t[0], r_i[0], r_t[0]
         # Stored per row at its computed steps only; the tail gets (mid output, 0) for a computed row, which is
         # exact, and (head output, stored residual) for a cached one.
-        mask = torch.tensor(compute).reshape(local, 1, 1)
         self.stored_img, self.stored_txt = res_img, res_txt
-        self.prev = residual if self.prev is None else torch.where(mask, residual, self.prev)
         img_base = torch.where(mask, out_img, img)
         img_res = torch.where(mask, torch.zeros_like(res_img), res_img)
         extra = []

@@ -350,6 +350,8 @@ def check_inputs(inputs: list, tensors: dict) -> list:
             v = torch.ones_like(t)
             v[..., -max(1, t.shape[-1] // 4):] = 0   # a padded tail: masking must matter
             v[..., 0] = 1
+        elif name == "row":                            # step caching's mixed graph: the row that computes, of
+            v = torch.ones_like(t)                     # two or more (row 1: the uncond row of one image)
         elif t.dim() == 0:
             v = t.clone()                              # timestep, sigmas, guidance: the example values
         else:

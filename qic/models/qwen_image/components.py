@@ -106,12 +106,14 @@ def _denoiser_shapes(spec) -> list[dict]:
 
 def step_part_shapes(step: dict, first: int, last: int, cfg_parallel: bool = False) -> list[dict]:
     """The split graphs of one step graph's shape: head, rest (the middle and the tail over all rows: a step
-    that computes), mid over one row (when there is more than one: the rows that compute when the others cache),
-    tail (a step that caches, or after those rows). Under CFG-parallel a rank's rows are its branch's: one per
-    image."""
+    that computes), mixed (when there is more than one row: one row's middle and every row's tail, a step where
+    that row computes and the others cache), mid over one row (more than two rows: several computing while others
+    cache, each row's middle before the tail), tail (a step that caches, or after those rows). Under CFG-parallel a
+    rank's rows are its branch's: one per image."""
     guided = step.get("cfg", True)
     rows = (2 if guided and not cfg_parallel else 1) * step.get("batch", 1)
-    parts = [{"part": "head"}, {"part": "rest"}] + ([{"part": "mid", "rows": 1}] if rows > 1 else [])
+    parts = [{"part": "head"}, {"part": "rest"}] + ([{"part": "mixed", "rows": 1}] if rows > 1 else [])
+    parts += [{"part": "mid", "rows": 1}] if rows > 2 else []   # several rows computing while others cache
     parts.append({"part": "tail"})
     return [step | {"first": first, "last": last} | p for p in parts]
 

@@ -5,7 +5,8 @@
   exact-length text (L0) and one image on one device, text_embeds [1, Lc, J] and negative_embeds [1, Lu, J] at
   their own lengths instead of text rows [2, L, J] and their mask (packed_cfg)
 - vae_decoder@HxW:       packed latents [1, S, C]                    -> image [1, 3, H, W] in [-1, 1]
-- denoiser@HxW@L@head, @rest, @mid@R1, @tail: the step in parts for step caching (build config `step_cache`),
+- denoiser@HxW@L@head, @rest, @mixed@R1, @mid@R1 (batches), @tail: the step in parts for step caching (build
+  config `step_cache`),
   inputs and outputs in step_part_graph below; the whole-step graph stays beside them.
 
 Editing (a build with condition sizes, `--condition-size HxW`: the Edit Plus models), the images forms:
@@ -44,7 +45,7 @@ from qic.host.prompt import DROP_TOKENS, EDIT_DROP_TOKENS, MAX_PROMPT_TOKENS
 from qic.models.common import patchify
 from qic.models.qwen_image.mmdit import rope_tables
 from qic.models.qwen_image.step import DenoiseStep
-from qic.models.qwen_image.step_cache import StepHead, StepMiddle, StepRest, StepTail
+from qic.models.qwen_image.step_cache import StepHead, StepMiddle, StepMixed, StepRest, StepTail
 from qic.models.qwen_image.ulysses import padded, ulysses_shard
 from qic.models.qwen_image.vae_decoder import QwenVAEDecoder
 from qic.models.qwen_image.vae_encoder import QwenVAEEncoder
@@ -146,6 +147,9 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
             [text_mask, txt_base, txt_residual when last > 0] -> latents
     - rest: img, txt, temb, text_mask as mid's (r = R), latents, sigma, sigma_next, [guidance]
             -> latents, img_residual, txt_residual (mid then tail, for a step whose rows all compute)
+    - mixed: img, txt, temb, text_mask over the R rows, latents, img_stored [R, S, D], row [1], sigma, sigma_next,
+            [guidance], [txt_stored when last > 0] -> latents, and the row's img_residual, txt_residual (the
+            middle over that row, then the tail over all: a step whose rows decide apart, one computing)
     A layout (qic/models/qwen_image/step_cache.py): under CFG-parallel R is one branch's rows (the head still
     takes every text row, and cfg_rank); under Ulysses S and L are this rank's chunks of the padded streams (the
     text mask stays whole), and every part takes sp_rank. Both rank inputs last, filled by the runtime.
@@ -194,6 +198,16 @@ def step_part_graph(mmdit, config, vae_scale: int, height: int, width: int, buck
                   ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))] + guidance
         outputs = ["latents", "img_residual", "txt_residual"]
         text_inputs = ("txt", "text_mask")
+    elif part == "mixed":   # takes every local row (`rows`, 1, names the middle's); runs the middle over one
+        every = batch if split else all_rows
+        module = StepMixed(mmdit, first, last, cfg, cfg_gather=cfg_gather(layout), **ranked)
+        inputs = [("img", act(every, local_tokens, dim)), ("txt", act(every, local_text, dim)),
+                  ("temb", act(every, dim)), ("text_mask", torch.ones(every, example_len, dtype=torch.long)),
+                  ("latents", act(batch, tokens, config.in_channels)), ("img_stored", act(every, local_tokens, dim)),
+                  ("row", torch.zeros(1, dtype=torch.long)), ("sigma", scalar(0.5)), ("sigma_next", scalar(0.4))]
+        inputs += guidance + ([("txt_stored", act(every, local_text, dim))] if last else [])
+        outputs = ["latents", "img_residual", "txt_residual"]
+        text_inputs = ("txt", "text_mask", "txt_stored")
     elif part == "tail":
         module = StepTail(mmdit, last, cfg, cfg_gather=cfg_gather(layout), **ranked)
         inputs = [("latents", act(batch, tokens, config.in_channels)), ("img_base", act(n_rows, local_tokens, dim)),

@@ -166,7 +166,8 @@ class FeedForward(nn.Module):
 
 
 class JointAttention(nn.Module):
-    """Joint attention over [text | image]: per-stream QKV and QK-RMSNorm, shared RoPE table and SDPA.
+    """Joint attention over [text | image]: per-stream QKV and QK-RMSNorm, shared RoPE table and SDPA (packed CFG:
+    one SDPA per branch, each over its own tokens and RoPE table; forward).
 
     `exchange` (None, or Ulysses' all-to-all hook, set by qic.parallel.sequence): under sequence parallelism
     the streams hold this rank's tokens only; q/k/v (RoPE applied per token) are exchanged for all tokens of

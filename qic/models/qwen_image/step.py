@@ -21,9 +21,10 @@ from qic.models.qwen_image.ulysses import UlyssesShard
 
 class DenoiseStep(nn.Module):
     """B images a step (B = latents' batch). cfg=True: text_embeds [2B, L, D], rows 0..B-1 the prompts and
-    rows B..2B-1 their negative prompts, in the same image order, all padded to L. cfg=False: text_embeds
-    [B, L, D] and guidance is ignored (diffusers skips CFG when the scale is <= 1 or there is no negative
-    prompt). text_mask [rows, L] (nonzero = valid), or None when every token is valid.
+    rows B..2B-1 their negative prompts, in the same image order, all padded to L; or, packed CFG (forward's
+    negative_embeds), one image's two branches at their own lengths. cfg=False: text_embeds [B, L, D] and
+    guidance is ignored (diffusers skips CFG when the scale is <= 1 or there is no negative prompt). text_mask
+    [rows, L] (nonzero = valid), or None when every token is valid.
     """
 
     def __init__(self, mmdit: QwenMMDiT, cfg: bool = True, shard: UlyssesShard | None = None, cfg_gather=None):

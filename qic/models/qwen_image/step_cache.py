@@ -9,8 +9,8 @@ that computed it stands in for them. A whole-step graph cannot skip anything, so
          decision's figure per row: the mean |r - r_prev| / mean |r_prev| of the image stream's residual
          r = (output of block Fn-1) - (input of block 0), against the r_prev the host passes (the residual
          of the row's last computed step).  -> img, txt, temb, residual, diff [rows] fp32
-- mid:   blocks Fn..L-Bn-1 over one row that computes while others cache (graph "@mid@R1"; over all rows it
-         runs inside `rest`).
+- mid:   blocks Fn..L-Bn-1 over one row that computes while others cache (graph "@mid@R1", built where more
+         than one row may compute while others cache: batches; over all rows it runs inside `rest`).
          -> img, txt after them, and their residuals (output - input) per stream, to store
 - tail:  blocks L-Bn..L-1, the output norm and projection, true CFG and the Euler update, on
          img = base + residual (and txt alike): a computed row passes (mid output, zeros), which is exact;
@@ -18,7 +18,10 @@ that computed it stands in for them. A whole-step graph cannot skip anything, so
 - rest:  mid and tail in one graph, for a step whose rows all compute (the tail's input is then the middle's
          output as it is), -> the next latents and the middle's residuals: a step is two graph calls whether it
          computes (head, rest) or caches (head, tail); only a step where some rows compute and others cache
-         (CFG's branches deciding apart) runs the one-row middle per computing row between them.
+         (CFG's branches deciding apart) differs:
+- mixed: the middle over the one row that computes (`row`, an input) and the tail over every row, the others on
+         their stored residuals, in one graph ("@mixed@R1"): head and mixed, two calls again. Only a batch's step
+         where several rows compute and others cache runs the one-row middle per computing row, then the tail.
 
 With looped layers each part is a range of the one scanned block over views of the same stacked weights, so
 the split adds graphs, not weight bytes. Every row's arithmetic is independent of the other rows (the
@@ -137,6 +140,33 @@ class StepTail(_Part):
         if self.cfg_parallel:
             pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)
+
+
+class StepMixed(StepTail):
+    """A step whose rows decide apart, one computing: the middle over that row (`row` [1] int64), then the tail over
+    every row, the computing row on its middle's output and the others on the head's output plus their stored
+    residuals (img_stored, and txt_stored when the tail runs blocks), as the tail takes them after a one-row
+    middle: the same arithmetic in one graph. Returns the next latents and the computing row's residuals."""
+
+    def __init__(self, mmdit: QwenMMDiT, first: int, last: int, cfg: bool = True, cfg_gather=None,
+                 shard: UlyssesShard | None = None, tokens: int = 0):
+        super().__init__(mmdit, last, cfg, cfg_gather, shard, tokens)
+        self.first = first
+
+    def forward(self, img, txt, temb, text_mask, latents, img_stored, row, sigma, sigma_next, guidance=None,
+                txt_stored=None, rope_cos=None, rope_sin=None, sp_rank=None):
+        def one(t):
+            return t.index_select(0, row)
+        tables = self.mask_and_tables(one(text_mask), one(img), rope_cos, rope_sin, sp_rank)
+        stop = self.mmdit.config.num_layers - self.last
+        out_img, out_txt = self.mmdit.blocks(one(img), one(txt), one(temb), *tables, self.first, stop)
+        img_all = (img + img_stored).index_copy(0, row, out_img)
+        txt_all, tables = None, None
+        if self.last:
+            txt_all = (txt + txt_stored).index_copy(0, row, out_txt)
+            tables = self.mask_and_tables(text_mask, img, rope_cos, rope_sin, sp_rank)
+        new_latents = self.finish(latents, img_all, txt_all, temb, sigma, sigma_next, guidance, tables)
+        return new_latents, out_img - one(img), out_txt - one(txt)
 
 
 class StepRest(StepTail):
