@@ -223,7 +223,6 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
         masks.append(mask[:, drop:])
     if batched and not cfg:
         embeds, masks = embeds * 2, masks * 2
-    branches = embeds
     text, text_mask = padded_rows(embeds, masks)
     times["encode"] = time.perf_counter() - t
 
@@ -250,7 +249,7 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
             return [to_pil(bundle.graph("vae_decoder", res)(x0[j - lo:j - lo + 1])[0])
                     if j in wanted and lo <= j < hi else None for j in range(n)]
         x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times,
-                                blend, previews=previews, decode=decode, branches=branches)
+                                blend, previews=previews, decode=decode, branches=embeds)
     if share:
         if idler and hi > lo:
             group_done()

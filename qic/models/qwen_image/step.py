@@ -82,7 +82,6 @@ class DenoiseStep(nn.Module):
             pred = self.cfg_gather(pred)
         return guide_and_update(latents, pred, guidance, sigma, sigma_next, self.cfg)
 
-
     def packed(self, latents, text_embeds, negative_embeds, timestep, sigma, sigma_next, guidance, rope, neg_rope):
         """forward's packed CFG: one transformer call over both branches' rows, the text of each at its length."""
         if not self.cfg or self.cfg_parallel or self.shard is not None or latents.shape[0] != 1:
