@@ -107,6 +107,9 @@ class Component:
     # so the layout keys them even at TP 1, and the eager stand-in gives it the layout's TP shard.
     runs_layout: bool = False
     lora_target: bool = False       # LoRAs (qic build --lora) merge into its weights
+    # The Linears a build's LoRA slots cover (--lora-slots: qic.models.lora_slots), a regex over their checkpoint
+    # module names; a lora_target only.
+    lora_modules: str = ".*"
     # It encodes condition (reference) images (a vision tower, a VAE encoder): a build holds it only when it names
     # condition sizes (BuildSpec.condition_sizes), one graph per size.
     conditions: bool = False

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from qic import backends, family
+from qic.checkpoint.lora import parse_lora_arg
 from qic.checkpoint.presets import default_resolutions, default_text_buckets
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
@@ -28,7 +29,7 @@ LAYER_MODES = ("looped", "unrolled")  # the first is the default
 KEYS = ("model", "backend", "device", "tp", "dtype", "resolutions", "text_buckets", "text_bucket_step", "components",
         "output", "cache_dir", "layers", "full_hash", "scheduler", "defaults", "cfg", "loras", "compiler_args", "lnc",
         "xla_check", "cache_from", "cache_public_keys", "cache_trusted", "batch_sizes", "cpu_target", "step_cache",
-        "ulysses", "cfg_parallel", "condition_sizes", "condition_images")
+        "ulysses", "cfg_parallel", "condition_sizes", "condition_images", "lora_slots")
 MAX_TEXT_BUCKET = 1024 + 34  # diffusers' tokenizer limit plus the template's dropped prefix
 
 
@@ -102,6 +103,9 @@ class BuildSpec:
     # how many one request may hold. () and 0: a build without them.
     condition_sizes: tuple[tuple[int, int], ...] = ()
     condition_images: int = 0
+    # Per-request LoRA (qic/models/lora_slots.py): the denoiser's graphs take low-rank adapter inputs of this total
+    # rank on its Linears, filled per request by the runtime; 0: none (LoRAs only merged at build, `loras`).
+    lora_slots: int = 0
 
     @property
     def layout(self):
@@ -249,11 +253,15 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         cfg_parallel=cfg_parallel,
         condition_sizes=condition_sizes,
         condition_images=condition_images,
+        lora_slots=_lora_slots(raw.get("lora_slots", 0), components, backend, at("lora_slots")),
     )
     if 0 in spec.text_buckets and not _dynamic_text(backend):
         raise ConfigError(f"{at('text_buckets')}: exact-length text (0) needs graphs with a dynamic text length; the "
                           f"{backend} back end's have static shapes", "use fixed text buckets, e.g. 128,256")
     _cache_defaults_need_graphs(dict(spec.defaults), spec.step_cache, at("defaults"))
+    if spec.lora_slots and spec.step_cache:
+        raise ConfigError(f"{at('lora_slots')}: lora_slots with step_cache: not yet (the split graphs take no adapter "
+                          "inputs)", "drop --step-cache, or merge the LoRA at build time (--lora FILE[:SCALE])")
     _layout_combinations(spec, at)
     return spec
 
@@ -402,17 +410,6 @@ def _loras(value, source: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
-def parse_lora_arg(value: str) -> tuple[str, float]:
-    """'FILE[:SCALE]' -> (file, scale); a colon not followed by a number belongs to the path."""
-    path, sep, tail = str(value).rpartition(":")
-    if sep:
-        try:
-            return path, float(tail)
-        except ValueError:
-            pass
-    return str(value), 1.0
-
-
 def _cfg(value, defaults: dict, source: str) -> tuple[bool, ...]:
     """Which step graphs to build. Default: the CFG one, plus the no-CFG one when the run defaults have no
     CFG (guidance <= 1), so both the defaults and an explicit --guidance run without a rebuild."""
@@ -537,6 +534,20 @@ def _cache_defaults_need_graphs(defaults: dict, step_cache, source: str) -> None
     if active and step_cache is None:
         raise ConfigError(f"{source}: defaults turn step caching on, but the build has no step_cache",
                           "add step_cache: {first: 1, last: 0} (or --step-cache 1,0)")
+
+
+def _lora_slots(value, components, backend: str, source: str) -> int:
+    """lora_slots: a rank >= 0 (0: none), on what the slotted graphs are written for."""
+    if value in (0, None):
+        return 0
+    rank = _positive_int(value, "lora_slots", source)
+    if "denoiser" not in components:
+        raise ConfigError(f"{source}: lora_slots puts adapter inputs in the denoiser's graphs, but components leave "
+                          "the denoiser out")
+    if not getattr(backends.info(backend), "REBINDS_WEIGHTS", False):
+        raise ConfigError(f"{source}: lora_slots on the {backend} back end: not yet (its runtime binds weights once)",
+                          "merge the LoRA at build time (--lora FILE[:SCALE]), or build for inductor")
+    return rank
 
 
 def _step_cache(value, components, source: str) -> tuple[int, int] | None:

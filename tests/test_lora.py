@@ -149,7 +149,7 @@ def test_lora_with_an_unknown_key_is_refused_naming_it(loras, tiny_ckpt, tmp_pat
     assert first.startswith("error: ") and "'transformer_blocks.0.attn.to_qq.lora_A.weight'" in first, proc.stderr
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("shards/*"))  # nothing written
     # Other faults name their key too: a shape that does not fit, a text-encoder key, an unknown suffix.
-    from qic.builder.lora import load_lora
+    from qic.checkpoint.lora import load_lora
     from qic.checkpoint.reader import Checkpoint
     weights = Checkpoint(tiny_ckpt).weights("transformer").tensors
     for key, value, expect in (("img_in.lora_B.weight", torch.zeros(127, RANK), "'img_in.lora_B.weight'"),

@@ -30,9 +30,9 @@ def test_every_place_takes_exactly_the_rows_that_list_it():
     assert set(_LINE_KEYS) == {o.name for o in given_at(LINE)}
     assert set(ImageRequest.model_fields) - set(_OpenAIFields.model_fields) == {o.name for o in given_at(HTTP)}
     # the text-to-image program's Request: every request row but the families' own (opt_in: 2.1's kv_cache), and
-    # img2img's and inpaint's image, strength and mask
+    # img2img's and inpaint's image, strength and mask, and per-request LoRA
     assert [f.name for f in dataclasses.fields(Request) if f.init] == [o.name for o in OPTIONS if o.request and (
-        not o.opt_in or o.name in ("image", "strength", "mask"))]
+        not o.opt_in or o.name in ("image", "strength", "mask", "lora"))]
     assert set(DEFAULT_KEYS) == {o.name for o in OPTIONS if o.bundle_default}
 
 

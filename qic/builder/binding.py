@@ -13,6 +13,7 @@ from qic import family
 from qic.builder.compile import compile_graph
 from qic.builder.components import expected_tensors
 from qic.builder.context import Context, looped, tp_of
+from qic.builder.lora_slots import with_slots
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
 from qic.weights import mmap_safetensors
@@ -106,7 +107,8 @@ def compile_job(job, ctx: Context, backend, weights_path: Path | None = None, re
     when `weights_path` is None (graphs take weights as inputs, so their values never matter); `workers`:
     compile_graph's."""
     names = weight_names(ctx, job.component, weights_path)
-    art = compile_graph(lambda: job.maker(bound_module(ctx, job.component, weights_path)),
+    art = compile_graph(lambda: job.maker(with_slots(bound_module(ctx, job.component, weights_path), job.component,
+                                                     job.shape)),
                         backend, names, ctx.cache, job.spec_key, remote=remote, sign=sign, workers=workers)
     # Named as this job: two graph names can share one entry when their graphs are identical (a one-row
     # middle graph is the same at every batch size), and the entry remembers only the first name it had.

@@ -72,6 +72,8 @@ def _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out:
                 "weights": weights[meta["component"]], "weight_prefix": meta["weight_prefix"],
                 "weight_inputs": meta["weight_inputs"], "owned_constants": meta["owned_constants"],
                 "inputs": meta["inputs"], "outputs": meta["outputs"], "dynamic_text": meta["dynamic_text"],
+                # LoRA slots: weight inputs no shard holds, filled per request (qic/runtime/lora.py)
+                "lora_slots": meta.get("lora_slots") or {},
                 "bytes": sum(e["bytes"] for e in meta["files"].values()),
                 # The machine it was compiled for (from the cache, maybe not this one): the runtime checks it.
                 "target": meta["backend"].get("target"),
@@ -93,6 +95,7 @@ def _write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key, out:
             "tokenizer": "tokenizer" if ctx.tokenizer is not None else None,
             "defaults": dict(spec.defaults),                  # run defaults of the build config
             "loras": [{"file": Path(lo.path).name, "sha256": lo.digest, "scale": lo.scale} for lo in ctx.loras],
+            "lora_slots": spec.lora_slots,     # per-request adapters' total rank (0: none)
             # The family's own fields (Qwen-Image: resolutions, buckets, prompt, scheduler, latents, ...)
             **(fields(spec, ctx) if fields is not None else {}),
             "graphs": graphs,

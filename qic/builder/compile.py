@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from qic.backends.base import Backend
 from qic.builder.graphs import GraphDef
+from qic.builder.lora_slots import is_slot, slot_entries
 from qic.builder.workers import TORCH_LOCK
 from qic.cache import layout, store
 from qic.fsutil import staging_dir
@@ -114,7 +115,8 @@ def _find(cache_dir: Path, gkey: str, identity: dict, remote) -> dict | None:
 def _owned(gdef: GraphDef, tensors: dict, weight_names: set[str]) -> dict:
     """The graph's own tensors (RoPE tables, latent statistics): those the weight shards do not hold."""
     return {n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()
-            if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)}
+            if not (n.startswith(gdef.weight_prefix) and n[len(gdef.weight_prefix):] in weight_names)
+            and not is_slot(n)}   # LoRA slots: inputs the runtime fills per request
 
 
 def _seal(tmp: Path, gdef: GraphDef, compiled, names: list[str], owned: dict, identity: dict, gkey: str,
@@ -131,6 +133,7 @@ def _seal(tmp: Path, gdef: GraphDef, compiled, names: list[str], owned: dict, id
         "inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
                    for n, t in gdef.inputs],
         "outputs": gdef.outputs, "dynamic_text": bool(gdef.dynamic),
+        "lora_slots": slot_entries(gdef.component, gdef.weight_prefix, named_tensors(gdef.module)),
         "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
         "compile_seconds": round(time.perf_counter() - t0, 2), "backend": identity, "key": gkey, **compiled.meta,
     }

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from qic import family
 from qic.builder.components import expected_tensors
-from qic.builder.lora import load_lora
 from qic.builder.source import check_family, resolve_model
+from qic.checkpoint.lora import load_lora
 from qic.errors import ConfigError
 from qic.host.schedule import merge_scheduler
 from qic.spec import BuildSpec
@@ -54,6 +54,8 @@ def validate(spec: BuildSpec, ctx: Context) -> None:
                               f"add {target.name} to --components, or drop --lora")
         weights = ctx.ckpt.weights(target.folder).tensors
         ctx.loras = tuple(load_lora(path, scale, weights) for path, scale in spec.loras)
+    if spec.lora_slots:
+        lora_target()   # a family that takes no LoRAs: one line
 
 
 def looped(spec: BuildSpec, component: str) -> bool:

@@ -146,6 +146,8 @@ def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
     jobs = []
     for comp_name, shape in graph_shapes(spec):
         comp = family.component(comp_name)
+        if spec.lora_slots and comp.lora_target:   # adapter inputs of that rank (qic/builder/lora_slots.py binds them)
+            shape = {**shape, "lora_slots": spec.lora_slots}
         deps = config_deps(comp_name, raw)
         dtype = comp.run_dtype(spec.dtype_of(comp_name))
         name = name_of(comp_name, shape)

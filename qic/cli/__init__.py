@@ -102,6 +102,9 @@ _BUILD_OPTIONS = [
     click.option("--lora", "loras", multiple=True,
                  help="FILE[:SCALE]: a LoRA merged into the denoiser's weights (repeatable; replaces the config's "
                       "list)."),
+    click.option("--lora-slots", type=int,
+                 help="R: the denoiser's graphs take LoRA adapters of total rank <= R as inputs, so `qic run --lora` "
+                      "and `qic serve --lora` pick adapters and strengths per request (0: none)."),
     click.option("--cpu-target", help="inductor: CPU code for portable (default: x86-64-v3, AVX2), auto, "
                                       "x86-64-v3, x86-64-v4, or native (-march=native: this host's every flag)."),
     click.option("--output", help="Bundle directory to write."),

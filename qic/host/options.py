@@ -127,6 +127,10 @@ OPTIONS: tuple[RunOption, ...] = (
     RunOption("output_resolution", int, "Qwen-Image-2.1: condition images are resized to about its square in "
               "pixels at their aspect, and the output size follows the last one (default: the bundle's, else 1024).",
               minimum=32, where=NOT_HTTP, opt_in=True, bundle_default=True),
+    # Per-request LoRA (a bundle built with --lora-slots); qic serve's body gives it as [{"name", "scale"}].
+    RunOption("lora", list, "LoRA adapter for this image, FILE[:SCALE] (qic serve: a name given by its --lora "
+              "NAME=FILE); repeat for several, applied together (bundles built with --lora-slots R: their ranks add "
+              "up to at most R).", opt_in=True, what="NAME[:SCALE] strings or {name, scale} objects"),
     # qic serve serves the text-to-image program only, which does not take it: not an HTTP field yet.
     RunOption("kv_cache", bool, "Prefix K/V cache (Qwen-Image-2.1 bundles): --no-kv-cache runs the prefill at every "
               "step, as the pipeline's use_kv_cache=False.", where=NOT_HTTP, opt_in=True),

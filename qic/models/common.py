@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import CheckpointError, ConfigError
+from qic.models.lora_slots import slot_term
 
 
 def check_config_keys(config: Mapping, known: Iterable[str], component: str) -> None:
@@ -100,29 +101,43 @@ class RMSNorm(nn.Module):
         return xf.to(dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that may carry a LoRA slot (qic.models.lora_slots: per-request adapters as graph inputs); without
+    one it is exactly nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        extra = slot_term(self, x)
+        return y if extra is None else y + extra
+
+
 class RowLinear(nn.Linear):
     """A Linear whose input features may be split across tensor-parallel ranks.
 
     Under TP the partial products are summed (`reduce`, set by the TP plan) before the bias is added,
-    so the bias counts once. With `reduce` unset it is exactly nn.Linear. Tensor names are nn.Linear's.
+    so the bias counts once; a LoRA slot's partial product joins them before the sum. With `reduce` unset it is
+    exactly nn.Linear. Tensor names are nn.Linear's.
     """
 
     reduce = None  # callable(tensor) -> tensor, e.g. a functional all_reduce; a class default keeps state_dict clean
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.nn.functional.linear(x, self.weight)
+        extra = slot_term(self, x)
+        if extra is not None:
+            y = y + extra
         if self.reduce is not None:
             y = self.reduce(y)
         return y if self.bias is None else y + self.bias
 
 
-class GatherLinear(nn.Linear):
+class GatherLinear(Linear):
     """A column-parallel Linear whose (small) output every rank needs whole: the modulation and output-norm
     projections, the text input projection.
 
-    Each rank holds a contiguous chunk of the output features; `gather` (set by the TP plan) all-gathers
-    the chunks in rank order, which is the whole output in the original feature order. With `gather`
-    unset it is exactly nn.Linear. Tensor names are nn.Linear's.
+    Each rank holds a contiguous chunk of the output features (and a LoRA slot's output rows); `gather` (set by
+    the TP plan) all-gathers the chunks in rank order, which is the whole output in the original feature order.
+    With `gather` unset it is exactly nn.Linear. Tensor names are nn.Linear's.
     """
 
     gather = None  # callable(tensor [..., n]) -> tensor [..., tp * n]; a class default keeps state_dict clean

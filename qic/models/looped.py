@@ -213,6 +213,25 @@ class StackedLayers(nn.Module):
                 m._parameters[k] = None
         self.template = template
 
+    def adopt_new_parameters(self) -> None:
+        """Stack parameters added to the template after construction (a LoRA slot: qic.models.lora_slots), each
+        repeated over the layers, and take them out of the template as __init__ does."""
+        new = [n for n, _ in self.template.named_parameters()]
+        tree = _param_tree(self.template, self.num_layers)
+        for name in new:
+            *path, leaf = name.split(".")
+            node, src = self.stacked, tree
+            for part in path:
+                src = src._modules[part]
+                if part not in node._modules:
+                    node.add_module(part, nn.Module())
+                node = node._modules[part]
+            node.register_parameter(leaf, src._parameters[leaf])
+        self.names += new
+        for m in self.template.modules():
+            for k in m._parameters:
+                m._parameters[k] = None
+
     def __iter__(self):
         # The unrolled models loop `for layer in layers: ...`; one item that applies every layer lets that
         # same forward code run the scan.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +32,20 @@ class Graph:
     shape: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)   # input name -> the tensor every call gets (RANK_INPUTS)
     rebind: object = None             # weights -> the back end's run of the same loaded code over them, or None
+    weights: dict = field(default_factory=dict)  # weight input name -> the tensor bound, in the graph's order
+    lora_slots: dict = field(default_factory=dict)   # the manifest's LoRA slot entries (qic/runtime/lora.py)
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         given = iter(tensors)
         return self.run([(self.fixed[spec["name"]] if spec["name"] in self.fixed else next(given))
                          .to(DTYPES[spec["dtype"]]).contiguous() for spec in self.inputs])
+
+    def with_weights(self, replaced: dict[str, torch.Tensor]) -> Graph:
+        """This graph's loaded code over its weights with some replaced by name (a request's LoRA slots)."""
+        if self.rebind is None:
+            raise BundleError(f"graph {self.name}: this back end's graphs cannot take other weights per call")
+        weights = {**self.weights, **replaced}
+        return dataclasses.replace(self, run=self.rebind(list(weights.values())), weights=weights)
 
 
 class Bundle:
@@ -85,6 +95,8 @@ class Bundle:
         self.step_cache = m.get("step_cache")         # {first, last}: the split step graphs are in (or None)
         self.lockstep = lockstep(m["backend"]["backend"], self.device)
         shards: dict[str, dict[str, torch.Tensor]] = {}
+        self.lora_slots = m.get("lora_slots", 0)      # per-request adapters' total rank (qic/runtime/lora.py)
+        self._zeros: dict[tuple, torch.Tensor] = {}
         self.graphs: dict[tuple, Graph] = {}
         for g in m["graphs"]:
             constants = {}
@@ -97,6 +109,7 @@ class Bundle:
             constants.update({g["weight_prefix"] + k: v for k, v in shards[rel].items()})
             if g["constants_file"]:
                 constants.update(mmap_safetensors(self.path / g["constants_file"]))
+            constants.update(self._empty_slots(g.get("lora_slots") or {}))
             missing = [n for n in g["weight_inputs"] if n not in constants]
             if missing:
                 raise BundleError(f"{self.path}: graph {g['name']} needs tensors its weights lack: {missing[:3]}")
@@ -109,9 +122,22 @@ class Bundle:
                 run = load_graph(m, self.path / g["file"], weights, self.device, rank=rank, world=world)
             self.graphs[key] = Graph(g["name"], run, g["inputs"],
                                      fixed={i["name"]: fixed[i["name"]] for i in g["inputs"] if i["name"] in fixed},
-                                     rebind=getattr(run, "rebind", None))
+                                     rebind=getattr(run, "rebind", None),
+                                     weights=dict(zip(g["weight_inputs"], weights)),
+                                     lora_slots=g.get("lora_slots") or {})
         self.load_seconds = time.perf_counter() - t0
         Bundle.seconds_loading += self.load_seconds
+
+    def _empty_slots(self, slots: dict) -> dict[str, torch.Tensor]:
+        """A graph's LoRA slot inputs at zero, the identity: a request without adapters runs the base model. Graphs
+        of one batch size share them."""
+        out = {}
+        for name, e in slots.items():
+            key = (name, tuple(e["shape"]), e["dtype"])
+            if key not in self._zeros:
+                self._zeros[key] = torch.zeros(e["shape"], dtype=DTYPES[e["dtype"]])
+            out[name] = self._zeros[key]
+        return out
 
     @property
     def id(self) -> str:

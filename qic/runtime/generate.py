@@ -23,6 +23,7 @@ from qic.host.prompt import pick_bucket
 from qic.host.schedule import Schedule, flow_match_schedule
 from qic.parallel.mesh import gather_objects, group_done, share_from, wait_for_group
 from qic.runtime.loop import Previews, denoise_loop, record_steps
+from qic.runtime.lora import Adapters, parse_choices
 from qic.runtime.protocol import Runnable
 from qic.runtime.step_cache import cached_step
 
@@ -36,7 +37,7 @@ Request = request_class("Request", __name__, [
     ("cache", CacheSettings | None, field(default=None, init=False, repr=False)),   # step caching, resolved
 ], "One image's run options (qic.host.options: a row each; None: not given, then the bundle's run default, "
    "else the runtime's). Everything after the prompt is keyword-only.",
-    only=tuple(o.name for o in REQUEST_OPTIONS if not o.opt_in) + ("image", "strength", "mask"))
+    only=tuple(o.name for o in REQUEST_OPTIONS if not o.opt_in) + ("image", "strength", "mask", "lora"))
 
 
 @dataclass
@@ -62,7 +63,8 @@ def validate(req: Request, bundle: Runnable) -> Request:
     for option in REQUEST_OPTIONS:   # 4 and 4.0 are one guidance (and write one PNG): float options give floats
         # step caching's: settings_from below, the bundle's defaults included; rows of other programs (opt_in) absent
         # the image and the mask: file paths or decoded images (qic serve's uploads), _check_img2img's to read
-        if option.name not in (*CACHE_FIELDS, "image", "mask") and option.name in Request.__dataclass_fields__:
+        # lora: parse_choices below (strings, or a served request's objects)
+        if option.name not in (*CACHE_FIELDS, "image", "mask", "lora") and option.name in Request.__dataclass_fields__:
             setattr(req, option.name, option.check(getattr(req, option.name)))
     if req.aspect is not None:
         if req.height is not None or req.width is not None:
@@ -87,7 +89,22 @@ def validate(req: Request, bundle: Runnable) -> Request:
                           f"(0..{req.steps - 1})")
     if req.image is not None or req.strength is not None or req.mask is not None:
         _check_img2img(req, bundle)
+    if req.lora:
+        req.lora = parse_choices(req.lora)
+        adapters_of(bundle).resolve(req.lora)    # unknown names, files and ranks: refused before any work
     return req
+
+
+def adapters_of(bundle: Runnable):
+    """The bundle's per-request adapters (qic.runtime.lora.Adapters): a server's, named at its start, else (qic run)
+    made on first use, naming files by path; a bundle without LoRA slots refuses in one line."""
+    adapters = getattr(bundle, "adapters", None)
+    if adapters is None:
+        if not getattr(bundle, "lora_slots", 0):
+            raise ConfigError("lora: this bundle takes no adapters per request (built without --lora-slots)",
+                              "rebuild with --lora-slots R, or merge the LoRA at build time (qic build --lora)")
+        adapters = bundle.adapters = Adapters(bundle, files=True)
+    return adapters
 
 
 def _check_img2img(req: Request, bundle: Runnable) -> None:
@@ -249,7 +266,8 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
             return [to_pil(bundle.graph("vae_decoder", res)(x0[j - lo:j - lo + 1])[0])
                     if j in wanted and lo <= j < hi else None for j in range(n)]
         x, rows_state = denoise(bundle, first, res, bucket, batched, x, text, text_mask, schedule, guidance, times,
-                                blend, previews=previews, decode=decode, branches=embeds)
+                                blend, previews=previews, decode=decode, branches=embeds,
+                                loras=[r.lora for r in reqs[lo:hi]])
     if share:
         if idler and hi > lo:
             group_done()
@@ -266,18 +284,21 @@ def generate_batch(bundle: Runnable, reqs: list[Request], previews: Previews | N
 
 
 def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, text_mask, schedule, guidance: list,
-            times: dict, blend=None, previews: Previews | None = None, decode=None, branches=None):
+            times: dict, blend=None, previews: Previews | None = None, decode=None, branches=None, loras=None):
     """The denoise loop over x's images: (final latents, step-cache rows or None). One step graph a step, or
     with step caching on the split graphs (qic/runtime/step_cache.py); the loop is the same one. blend: inpaint's
     (i, latents, sigma_next) -> latents after each step (img2img_start). previews, decode: the loop's
     (qic.runtime.loop). branches: the text rows of each branch unpadded ([prompts], [negative prompts]), which a
-    packed-CFG step graph takes in place of text and text_mask."""
+    packed-CFG step graph takes in place of text and text_mask. loras: each image's adapters (Request.lora), which a
+    slotted step graph takes as inputs (qic.runtime.lora)."""
     batch = x.shape[0]
     hooks = {"previews": previews, "decode": decode}
     if req.cache.active:
         step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance)
         return denoise_loop(step, x, schedule, record_steps(times), **hooks), decisions.state
     graph = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch)
+    if any(loras or []):
+        graph = adapters_of(bundle).bind(graph, [lo or [] for lo in loras])
     if any(spec["name"] == "negative_embeds" for spec in graph.inputs):   # packed CFG (graphs.packed_cfg)
         text, text_mask = branches
 

@@ -15,6 +15,8 @@ DEFAULT_DEVICE = "cpu"
 RUN_DEVICES = DEVICES
 # Its graphs may take a dynamic text length: a build without text buckets then gets exact-length text (qic.spec).
 DYNAMIC_TEXT = True
+# Its loaded graphs run over other weights per call (the load's `rebind`): LoRA slots filled per request (qic.spec).
+REBINDS_WEIGHTS = True
 OPTIONS: dict = {}   # build-config keys only this back end takes (see the inductor package)
 # What `qic plan` assumes a graph takes without records in the cache (qic.builder.memplan; inductor's is its
 # default): export and save measured 0.7-1.1 s per tiny graph on two cores.

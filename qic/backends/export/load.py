@@ -29,16 +29,22 @@ def load(path: Path, weights: list[torch.Tensor], device: str, rank: int = 0, wo
     rebuild its graph and Python code) takes about half a second on two cores, and a run calls only the graphs of
     its resolution, bucket and images, so a bundle of 11 programs started in 5 s where one image needed 4 of them,
     and a request refused for its input had read them all first. The files were verified when the bundle opened."""
+    return _bound(path, [], threading.Lock(), weights, device)
+
+
+def _bound(path: Path, module: list, lock, weights: list[torch.Tensor], device: str):
+    """The program (read once, shared: `module`) over `weights`; `rebind(other)` gives it over other weights (a
+    request's LoRA slots, a weight set)."""
     bound = [w if w.device.type == device else w.to(device) for w in weights]
-    module, lock = [], threading.Lock()   # a server's compute threads may reach a graph's first call together
 
     def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if not module:
-            with lock:
+            with lock:   # a server's compute threads may reach a graph's first call together
                 if not module:
                     module.append(torch.export.load(str(path)).module())
         with torch.inference_mode():
             out = module[0](tuple(inputs), bound)
         return list(torch.utils._pytree.tree_leaves(out))
 
+    run.rebind = lambda other: _bound(path, module, lock, other, device)
     return run

@@ -20,6 +20,8 @@ DEFAULT_DEVICE = "cpu"
 RUN_DEVICES = DEVICES
 # Its graphs may take a dynamic text length: a build without text buckets then gets exact-length text (qic.spec).
 DYNAMIC_TEXT = True
+# Its loaded graphs run over other weights per call (the load's `rebind`): LoRA slots filled per request (qic.spec).
+REBINDS_WEIGHTS = True
 # Its graphs compile in a build's compile workers (qic.builder.workers) where they hold no collectives.
 COMPILES_IN_WORKERS = True
 # Build-config keys only this back end takes, with their allowed values (qic/spec.py refuses them elsewhere).

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
-from qic.models.common import GatherLinear, RMSNorm, RowLinear, apply_rope, check_config_keys, require_value
+from qic.models.common import GatherLinear, Linear, RMSNorm, RowLinear, apply_rope, check_config_keys, require_value
 from qic.models.looped import StackedLayers, template_layer
 from qic.models.qwen_image.host.rope import grid_tables
 from qic.models.qwen_image.host.rope import position_tables as host_position_tables
@@ -132,7 +132,7 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, dim: int, tp_size: int = 1):
         super().__init__()
-        self.linear_1 = nn.Linear(TIME_PROJ_DIM, dim // tp_size)
+        self.linear_1 = Linear(TIME_PROJ_DIM, dim // tp_size)
         self.linear_2 = RowLinear(dim // tp_size, dim)
 
     def forward(self, x):
@@ -148,7 +148,7 @@ class TimeTextEmbed(nn.Module):
 class GeluProj(nn.Module):
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
+        self.proj = Linear(dim_in, dim_out)
 
     def forward(self, x):
         return F.gelu(self.proj(x), approximate="tanh")
@@ -179,8 +179,8 @@ class JointAttention(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         local = heads * head_dim  # heads here is already the per-rank count
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, local) for _ in range(3))
-        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, local) for _ in range(3))
+        self.to_q, self.to_k, self.to_v = (Linear(dim, local) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (Linear(dim, local) for _ in range(3))
         self.norm_q, self.norm_k = RMSNorm(head_dim, EPS), RMSNorm(head_dim, EPS)
         self.norm_added_q, self.norm_added_k = RMSNorm(head_dim, EPS), RMSNorm(head_dim, EPS)
         self.to_out = nn.ModuleList([RowLinear(local, dim)])
@@ -309,7 +309,7 @@ class QwenMMDiT(nn.Module):
                               f"heads and {c.mlp_dim} MLP columns")
         self.config, self.tp_size = c, tp_size
         dim = c.inner_dim
-        self.img_in = nn.Linear(c.in_channels, dim)
+        self.img_in = Linear(c.in_channels, dim)
         self.txt_norm = RMSNorm(c.joint_attention_dim, EPS)
         self.txt_in = GatherLinear(c.joint_attention_dim, dim // tp_size)  # column-parallel, gathered once
         self.time_text_embed = TimeTextEmbed(dim, tp_size)
@@ -317,7 +317,7 @@ class QwenMMDiT(nn.Module):
             MMDiTBlock(dim, c.num_attention_heads // tp_size, c.attention_head_dim, c.mlp_dim // tp_size, tp_size)
             for _ in range(c.num_layers))
         self.norm_out = NormOut(dim, tp_size)
-        self.proj_out = nn.Linear(dim, c.out_features)
+        self.proj_out = Linear(dim, c.out_features)
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_mask: torch.Tensor | None, timestep: torch.Tensor,
