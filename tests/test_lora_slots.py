@@ -237,3 +237,46 @@ def test_compiled_slots_at_tp1_and_tp2(slotted, tiny_ckpt, cache_dir, workdir, a
         print(f"{bundle.name}: max {mx:.0f}/255 mean {mean:.4f}")
         assert mx <= BOUND_MAX and mean <= BOUND_MEAN
     assert image_diff(ref, _run(Bundle(compiled)))[0] > BOUND_MAX
+
+
+@pytest.mark.slow
+def test_served_requests_pick_adapters_and_strengths(slotted, adapters, tmp_path):
+    """qic serve --lora NAME=FILE: a request's lora field picks adapters and strengths (the openai client's extra
+    body), drawing qic run --lora's pixels; a name not served, or a file path, is a 400 naming it; /metrics counts
+    the adapters' cache hits."""
+    import base64
+    import io
+
+    from openai import BadRequestError, OpenAI
+    from PIL import Image
+
+    from qic.serve.client import request
+    from tests.test_serve import ServeProcess
+    srv = ServeProcess(slotted, tmp_path / "serve.log", "--lora", f"a={adapters['a']}", "--lora",
+                       f"b={adapters['b']}", "--lora-budget", "1")
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
+        size = "{1}x{0}".format(*TINY_RES)
+        served = []
+        for lora in ([{"name": "a", "scale": 0.5}], [{"name": "a", "scale": 1.0}, {"name": "b", "scale": 0.3}]):
+            resp = client.images.generate(prompt=PROMPT, size=size, response_format="b64_json",
+                                          extra_body={"steps": STEPS, "lora": lora})
+            served.append(Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))))
+        for got, flags in zip(served, ([f"{adapters['a']}:0.5"], [f"{adapters['a']}:1.0", f"{adapters['b']}:0.3"])):
+            out = tmp_path / "run.png"
+            qic("run", slotted, "--prompt", PROMPT, "--steps", STEPS, *[x for f in flags for x in ("--lora", f)],
+                "--output", out)
+            assert image_diff(got, Image.open(out)) == (0.0, 0.0)
+        assert image_diff(served[0], served[1])[0] > BOUND_MAX
+        assert served[1].text["lora"] == "a:1, b:0.3"
+        for name in ("c", str(adapters["a"])):
+            with pytest.raises(BadRequestError, match=f"no adapter named {name!r}"):
+                client.images.generate(prompt=PROMPT, size=size, extra_body={"lora": [{"name": name}]})
+        status, _, text = request(srv.port, "GET", "/metrics")
+        assert status == 200
+        text = text if isinstance(text, str) else text.decode()
+        assert 'qic_lora_adapter_uses_total{cache="hit"} 1.0' in text, text   # a's second use
+        assert 'qic_lora_adapter_uses_total{cache="miss"} 2.0' in text and "qic_lora_adapters_loaded 2.0" in text
+    finally:
+        srv.close()
+    assert srv.proc.returncode == 0, srv.log_path.read_text()

@@ -340,19 +340,31 @@ def doctor_command(as_json):
 @click.option("--weights-budget", type=float, default=None,
               help="GiB of named weight sets (--weights NAME=BUNDLE) kept mapped at once; past it the least recently "
                    "used is unmapped (default: all stay).")
+@click.option("--lora", "loras", multiple=True,
+              help="NAME=FILE: a LoRA adapter requests may name in their `lora` field, with a scale each (a bundle "
+                   "built with --lora-slots; any format qic build --lora reads); repeatable.")
+@click.option("--lora-budget", type=float, default=None,
+              help="GiB of adapter matrices kept in memory; past it the least recently used is read again when next "
+                   "named (default: all stay).")
 @_friendly
-def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, weights_budget, **load):
+def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, weights_budget, loras, lora_budget,
+                  **load):
     """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
     from qic.cli.serve import run_serve
     from qic.errors import ConfigError
+    from qic.runtime.lora import parse_named
     from qic.serve.settings import Settings
     from qic.serve.weight_sets import parse_weights
     load["weights_from"], named = parse_weights(load.get("weights_from"), os.path.basename(os.path.realpath(bundle)))
+    adapters = parse_named(loras)
+    if lora_budget is not None and not lora_budget > 0:
+        raise ConfigError("--lora-budget must be a positive number of GiB")
     if weights_budget is not None and not weights_budget > 0:
         raise ConfigError("--weights-budget must be a positive number of GiB")
     if weights_budget is not None and not named:
         raise ConfigError("--weights-budget keeps named weight sets mapped, and none is given",
                           "add --weights NAME=BUNDLE, or drop --weights-budget")
     run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch), load,
-              {"named": named, "budget": None if weights_budget is None else weights_budget * 2**30})
+              {"named": named, "budget": None if weights_budget is None else weights_budget * 2**30,
+               "loras": adapters, "lora_budget": None if lora_budget is None else lora_budget * 2**30})
 

@@ -77,12 +77,13 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
         sock = _bind(host, port)
 
     from qic.serve.queue import compute_thread
-    from qic.serve.runner import BundleRunner, control_group, follow, load, warm, weight_sets
+    from qic.serve.runner import BundleRunner, control_group, follow, load, serve_adapters, warm, weight_sets
     sets = sets or {}
 
     if rank > 0:   # nothing else to do here: load, warm with the others, then follow rank 0
         # rank 0's order: the bundle, its named sets, then the warm-up (whose all-reduces pair with rank 0's)
         bundle, _ = load(bundle_path, rank, world, None, **(load_options or {}))
+        serve_adapters(bundle, sets.get("loras"), sets.get("lora_budget"))
         named = weight_sets(bundle, rank, world, load_options or {}, sets.get("named"), sets.get("budget"))
         warm(bundle)
         follow(bundle, control_group(world), named)
@@ -100,6 +101,7 @@ def serve_rank(rank: int, world: int, bundle_path: str, host: str, port: int, se
     # failure stops the server as a dead rank does), and /health says ready once they are done.
     compute = compute_thread()
     bundle, loaded = load(bundle_path, rank, world, compute, **(load_options or {}))
+    compute.submit(serve_adapters, bundle, sets.get("loras"), sets.get("lora_budget")).result()
     named = weight_sets(bundle, rank, world, load_options or {}, sets.get("named"), sets.get("budget"), compute)
     runner = BundleRunner(bundle, None, executor=compute, sets=named)
     log.info(f"loaded {bundle_path} (tp={world}, sizes {', '.join(runner.sizes)}) in {loaded:.2f} s; batch sizes "

@@ -31,6 +31,8 @@ def png_bytes(result, bundle_id: str, weights_id: str | None = None) -> bytes:
         info.add_itxt(key, "" if value is None else str(value))
     if weights_id:
         info.add_itxt("weights", weights_id)
+    if getattr(req, "lora", None):   # per-request adapters (qic.runtime.lora): NAME:SCALE each, in slot order
+        info.add_itxt("lora", ", ".join(f"{name}:{scale:g}" for name, scale in req.lora))
     if getattr(result, "conditions", None):   # reference images: the sizes they ran at (a fit to the nearest noted)
         info.add_itxt("conditions", result.conditions)
     if getattr(result, "computed", None) is not None:   # step caching: its settings, the steps each branch computed

@@ -119,7 +119,8 @@ def create_app(runner, settings: Settings = Settings(), on_fail=None, warm_up=No
 
     scheduler = Scheduler(run_batch, settings.queue, [s for s in runner.batch_sizes if s <= settings.max_batch],
                           getattr(runner, "executor", None), on_fail)
-    metrics = Metrics(scheduler, scheduler.batch_sizes, getattr(runner, "sets", None))
+    metrics = Metrics(scheduler, scheduler.batch_sizes, getattr(runner, "sets", None),
+                      getattr(getattr(runner, "bundle", None), "adapters", None))
     loop: asyncio.AbstractEventLoop | None = None
 
     @asynccontextmanager

@@ -86,9 +86,30 @@ class _WeightSets:
         yield GaugeMetricFamily("qic_weight_sets_mapped", "Named weight sets mapped now", value=len(self.sets.loaded))
 
 
+class _Adapters:
+    """Per-request LoRA adapters (qic.runtime.lora.Adapters): uses that found their matrices in memory (hits) or read
+    them (misses), and what is held."""
+
+    def __init__(self, adapters):
+        self.adapters = adapters
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        uses = CounterMetricFamily("qic_lora_adapter_uses", "Adapter uses by requests: matrices in memory (hit) or "
+                                   "read from the file (miss)", labels=["cache"])
+        uses.add_metric(["hit"], self.adapters.hits)
+        uses.add_metric(["miss"], self.adapters.misses)
+        yield uses
+        yield GaugeMetricFamily("qic_lora_adapters_loaded", "Adapters whose matrices are in memory",
+                                value=len(self.adapters.loaded))
+        yield GaugeMetricFamily("qic_lora_adapter_bytes", "Bytes of adapter matrices in memory",
+                                value=self.adapters.held())
+
+
 class Metrics:
-    def __init__(self, scheduler, batch_sizes, sets=None):
-        """sets: the runner's named weight sets, if any (their maps and how many are mapped)."""
+    def __init__(self, scheduler, batch_sizes, sets=None, adapters=None):
+        """sets: the runner's named weight sets, if any (their maps and how many are mapped); adapters: the bundle's
+        per-request LoRA adapters, if it has slots."""
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         self.requests = Counter("qic_requests", "HTTP requests answered, by path and status", ["path", "status"],
@@ -108,6 +129,8 @@ class Metrics:
         self.partials = Counter("qic_partial_images", "Partial images streamed (qic.serve.stream)", registry=r)
         if sets is not None:
             r.register(_WeightSets(sets))
+        if adapters is not None:
+            r.register(_Adapters(adapters))
 
     def request(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()

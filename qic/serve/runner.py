@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from qic.errors import ConfigError
 from qic.runtime.bundle import Bundle
 from qic.runtime.png import png_bytes
 from qic.runtime.programs import makes_previews, program_of, run_batch
@@ -55,6 +56,18 @@ def load(path, rank: int, world: int, compute: ThreadPoolExecutor | None, **load
     return bundle, time.perf_counter() - t
 
 
+def serve_adapters(bundle: Bundle, named: dict | None, budget: float | None) -> None:
+    """The adapters requests may name (`--lora NAME=FILE`, checked against the bundle's slots before the port opens):
+    on a slotted bundle always set, so that a request names only these, never a file of the server's; adapters
+    without slots are one line."""
+    from qic.runtime.lora import Adapters
+    if bundle.lora_slots:
+        bundle.adapters = Adapters(bundle, named, budget)
+    elif named:
+        raise ConfigError(f"--lora: {bundle.path} takes no adapters per request (built without --lora-slots)",
+                          "rebuild it with --lora-slots R, or merge the LoRA at build time (qic build --lora)")
+
+
 def weight_sets(bundle: Bundle, rank: int, world: int, load: dict, named: dict, budget: float | None,
                 compute: ThreadPoolExecutor | None = None):
     """The named weight sets served beside the bundle's own (qic.serve.weight_sets.WeightSets; None without any),
@@ -67,7 +80,10 @@ def weight_sets(bundle: Bundle, rank: int, world: int, load: dict, named: dict, 
     options = {k: v for k, v in load.items() if k != "weights_from"}
 
     def load_set(path):
-        return Bundle(bundle.path, rank=rank, world=world, weights_from=path, code_from=bundle, **options)
+        loaded = Bundle(bundle.path, rank=rank, world=world, weights_from=path, code_from=bundle, **options)
+        if getattr(bundle, "adapters", None) is not None:   # one set of graphs: the same slots and adapters
+            loaded.adapters = bundle.adapters
+        return loaded
     sets = WeightSets(bundle, bundle.path.resolve().name, named, load_set, budget)
     compute.submit(sets.check_all).result() if compute else sets.check_all()
     # Mapped again later, a set is checked by its hash records (files changed since are re-hashed), not re-hashed
