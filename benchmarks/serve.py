@@ -170,17 +170,20 @@ class Server:
         return sum(1 for r in records if r.get("seed", 0) >= 200 and r.get("seed", 0) % 1000 < 900
                    and r.get("batch", 1) > 1)
 
-def build(preset_name: str, out_dir: Path, batch: int = 1, cache_dir: Path | None = None) -> Path:
-    """The preset's bundle (one resolution, bucket 128), with batched graphs of size `batch` if above 1."""
+def build(preset_name: str, out_dir: Path, batch: int = 1, cache_dir: Path | None = None, lora_slots: int = 0) -> Path:
+    """The preset's bundle (one resolution, bucket 128), with batched graphs of size `batch` if above 1 and LoRA
+    slots of rank `lora_slots` if any."""
     from qic.checkpoint.embedded import write_checkpoint
     from qic.checkpoint.presets import preset
     h, w = preset(preset_name)["default_resolution"]
     ckpt = write_checkpoint(out_dir / f"ckpt-{preset_name}", preset_name)
-    bundle = out_dir / (f"bundle-{preset_name}" + ("" if batch == 1 else f"-batch{batch}"))
+    bundle = out_dir / (f"bundle-{preset_name}" + ("" if batch == 1 else f"-batch{batch}")
+                        + (f"-slots{lora_slots}" if lora_slots else ""))
     if not (bundle / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "qic.cli", "build", "--model", str(ckpt), "--output", str(bundle),
                         "--cache-dir", str(cache_dir or out_dir / "cache"), "--resolution", f"{h}x{w}",
-                        "--text-buckets", "128,", "--batch-sizes", f"1,{batch}"], check=True, capture_output=True)
+                        "--text-buckets", "128,", "--batch-sizes", f"1,{batch}",
+                        *(["--lora-slots", str(lora_slots)] if lora_slots else [])], check=True, capture_output=True)
     return bundle
 
 if __name__ == "__main__":

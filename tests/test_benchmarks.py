@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow   # each smoke runs a benchmark: builds, compiles,
 
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 # These take --dir and --cache-dir.
-BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache", "noop_build", "per_image")
+BUILDS = ("run", "serve", "nocfg", "realwidth", "soak", "shapes_quality", "step_cache", "noop_build", "per_image",
+          "lora_slots")
 # Two lanes on two cores: two smokes at a time, or one beside the other xdist worker (`make test`'s -n 2), so the
 # seconds allowed below hold the same load either way.
 PARALLEL = 1 if xdist_worker() else 2
@@ -69,6 +70,7 @@ SMOKES = {
                        r"[\d.]+ s \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \| [\d.e+-]+ \| \d+ s \|"] * 2),
     "edit": (300, [r"\| (vision|language model|vae_encoder|steps|decoder|all stages) \| [\d.]+ \| [\d.]+ \| "
                    r"[\d.]+x \|"] * 6 + [r"default Plus build .*: 29 graphs, about [\d.]+ min of compiling .*"]),
+    "lora_slots": (300, [r"\| (slot-free|R 4, empty|R 4, filled) \| \d+ ms \| [\d.]+x \|"] * 3),
     "peak": (180, [r"\| tiny \| (text_encoder@L72|denoiser@48x80@L72|vae_decoder@48x80) \| [\d.]+ \| .*"] * 3),
 }
 
