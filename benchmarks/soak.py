@@ -209,7 +209,8 @@ def reference_pngs(bundle: Path, work: Path, steps: int, seeds: int, weights: Pa
     """digest() of `qic run --prompts-file`'s PNG for each seed (with `weights`' set and the `lora` FILE:SCALE
     adapters), the same settings as the valid requests."""
     work.mkdir(parents=True, exist_ok=True)
-    tag = ("own" if weights is None else weights.name) + "".join(f"-{Path(a).stem}{a.rpartition(':')[2]}" for a in lora)
+    tag = ("own" if weights is None else weights.name) + "".join(
+        f"-{Path(a.rpartition(':')[0]).stem}-{a.rpartition(':')[2]}" for a in lora)
     lines = work / "soak-prompts.jsonl"
     lines.write_text("".join(json.dumps({"prompt": PROMPT, "steps": steps, "seed": s}) + "\n" for s in range(seeds)))
     subprocess.run([sys.executable, "-m", "qic.cli", "run", str(bundle), "--prompts-file", str(lines),

@@ -259,9 +259,10 @@ def parse_spec(raw: Mapping, source: str = "config", lines: Mapping | None = Non
         raise ConfigError(f"{at('text_buckets')}: exact-length text (0) needs graphs with a dynamic text length; the "
                           f"{backend} back end's have static shapes", "use fixed text buckets, e.g. 128,256")
     _cache_defaults_need_graphs(dict(spec.defaults), spec.step_cache, at("defaults"))
-    if spec.lora_slots and spec.step_cache:
-        raise ConfigError(f"{at('lora_slots')}: lora_slots with step_cache: not yet (the split graphs take no adapter "
-                          "inputs)", "drop --step-cache, or merge the LoRA at build time (--lora FILE[:SCALE])")
+    if spec.lora_slots and spec.step_cache and any(n > 1 for n in spec.batch_sizes):
+        raise ConfigError(f"{at('lora_slots')}: lora_slots with step_cache and batch sizes above 1: not yet (a batch's "
+                          "one-row middle graph cannot tell whose adapters its row takes)",
+                          "drop --batch-sizes, or merge the LoRA at build time (--lora FILE[:SCALE])")
     _layout_combinations(spec, at)
     return spec
 

@@ -119,6 +119,28 @@ def test_slots_are_the_merged_weights_eagerly():
         assert err < 1e-5 and ((got - ref).norm() / ref.norm()).item() > 0.1, err
 
 
+def test_plan_counts_the_slots_and_their_flops(tmp_path):
+    """qic plan of a slotted build: the denoiser's graph inputs grow by the slot tensors (R x (in + out) + R per
+    Linear and image), its FLOPs by their matmuls; the other components' graphs are unchanged."""
+    from qic.builder.memplan import plan_memory
+    from qic.builder.source import resolve_configs
+    from qic.spec import parse_spec
+    configs, raw = resolve_configs(None, tmp_path)
+    plans = {}
+    for slots in (0, SLOTS):
+        spec = parse_spec({"resolutions": ["48x80"], "text_buckets": [128], "lora_slots": slots})
+        plans[slots] = {g.component: g for g in plan_memory(spec, configs, raw, None).graphs}
+    den = configs["denoiser"]
+    linears = [(den.inner_dim, den.inner_dim)] * 8 + [(den.inner_dim, den.mlp_dim), (den.mlp_dim, den.inner_dim)] * 2 \
+        + [(den.inner_dim, 6 * den.inner_dim)] * 2           # a block's: attention, MLPs, modulations
+    per_block = sum(SLOTS * (i + o) + SLOTS for i, o in linears)
+    plain, slotted = plans[0]["denoiser"], plans[SLOTS]["denoiser"]
+    # fp32; the top-level Linears' slots come on top
+    assert slotted.input_bytes - plain.input_bytes >= den.num_layers * per_block * 4
+    assert slotted.flops > plain.flops
+    assert plans[SLOTS]["text_encoder"].input_bytes == plans[0]["text_encoder"].input_bytes
+
+
 def _run(bundle, *lora, seed: int = 0):
     return generate(bundle, Request(PROMPT, steps=STEPS, seed=seed, lora=list(lora) or None)).image
 
@@ -194,7 +216,8 @@ def test_what_is_refused_in_one_line(slotted, adapters, bundle_export, tiny_ckpt
     proc = qic("run", slotted, "--prompt", PROMPT, "--lora", str(tmp_path / "none.safetensors"), check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1 and "none.safetensors not found" in errors[0], proc.stderr
-    for flags, said in ((["--step-cache", "1,0"], "lora_slots with step_cache: not yet"),
+    for flags, said in ((["--step-cache", "1,0", "--batch-sizes", "1,2", "--text-buckets", "72"],
+                         "lora_slots with step_cache and batch sizes above 1: not yet"),
                         (["--backend", "neuron"], "lora_slots on the neuron back end: not yet")):
         proc = qic("build", "--model", tiny_ckpt, "--lora-slots", "4", *flags, "--output", tmp_path / "x",
                    check=False)
@@ -280,3 +303,22 @@ def test_served_requests_pick_adapters_and_strengths(slotted, adapters, tmp_path
     finally:
         srv.close()
     assert srv.proc.returncode == 0, srv.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_step_caching_runs_the_adapters_in_every_part(tiny_ckpt, cache_dir, workdir, adapters):
+    """A slotted step-cache bundle (batch 1: head, rest, mixed, tail): a masked and a thresholded run with an adapter
+    draw what the merged bundle's split graphs draw with the same settings, computing the same steps."""
+    split = ["--backend", "export", "--step-cache", "1,0"]
+    slots = _build(tiny_ckpt, cache_dir, workdir / "bundle-slots-cache", *split, "--lora-slots", str(SLOTS))
+    merged = _build(tiny_ckpt, cache_dir, workdir / "bundle-merged-cache", *split, "--lora", f"{adapters['a']}:0.8")
+    b, m = Bundle(slots), Bundle(merged)
+    for cache in ({"cache_steps": "0,2"}, {"cache_threshold": 0.05}):
+        steps = {"steps": 4, **cache}
+        got = generate(b, Request(PROMPT, **steps, lora=[f"{adapters['a']}:0.8"]))
+        want = generate(m, Request(PROMPT, **steps))
+        mx, mean = image_diff(got.image, want.image)
+        print(f"step cache {cache}: slots vs merged: max {mx:.0f}/255, computed {got.computed} / {want.computed}")
+        assert got.computed == want.computed and mx <= MERGE_MAX
+        plain = generate(b, Request(PROMPT, **steps))
+        assert image_diff(plain.image, got.image)[0] > BOUND_MAX

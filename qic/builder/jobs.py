@@ -146,8 +146,6 @@ def plan_jobs(spec, configs: dict, raw: dict, backend) -> list[GraphJob]:
     jobs = []
     for comp_name, shape in graph_shapes(spec):
         comp = family.component(comp_name)
-        if spec.lora_slots and comp.lora_target:   # adapter inputs of that rank (qic/builder/lora_slots.py binds them)
-            shape = {**shape, "lora_slots": spec.lora_slots}
         deps = config_deps(comp_name, raw)
         dtype = comp.run_dtype(spec.dtype_of(comp_name))
         name = name_of(comp_name, shape)
@@ -176,7 +174,10 @@ def _maker(component: str, configs: dict, shape: dict, dtype: str, layout):
 def graph_shapes(spec) -> list[tuple[str, dict]]:
     """(component, shape) for every graph the spec asks for, in build order: each component's own shapes
     (qic.family.Component.graph_shapes), components in the family's order."""
-    return [(name, shape) for name, comp in family.components(spec.family).items() if name in spec.components
+    # LoRA slots: the lora target's graphs take adapter inputs of that rank (qic/builder/lora_slots.py binds them)
+    slots = {"lora_slots": spec.lora_slots} if spec.lora_slots else {}
+    return [(name, {**shape, **slots} if comp.lora_target else shape)
+            for name, comp in family.components(spec.family).items() if name in spec.components
             for shape in comp.graph_shapes(spec)]
 
 

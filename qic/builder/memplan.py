@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from qic import backends, family
 from qic.builder.context import looped, tp_of
 from qic.builder.jobs import code_digest, config_deps, graph_shapes, make_graph, name_of, plan_jobs
+from qic.builder.lora_slots import is_slot, with_slots
 from qic.cache import layout
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import QicError
@@ -190,7 +191,8 @@ def weight_bytes(component: str, config, tp: int, dtype: str, looped: bool = Fal
 
 def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: dict,
                    layout=None) -> tuple[int, int, int, int]:
-    """(input bytes, largest activation, activation peak, FLOPs) of one graph, on fake tensors. Under a parallel
+    """(input bytes, LoRA slots included; largest activation, activation peak, FLOPs) of one graph, on fake tensors,
+    the bytes and FLOPs at the real depth. Under a parallel
     layout the denoiser's step runs with its real collectives on a fake process group (Ulysses' shards)."""
     from qic.builder.binding import fake_world_for
     from qic.parallel.mesh import Layout
@@ -201,8 +203,10 @@ def estimate_graph(component: str, configs: dict, tp: int, dtype: str, shape: di
             return _estimate(component, configs, tp, dtype, shape, layout)
         n = fewest_layers(shape)
         inputs, largest, peak, flops = _estimate(component, _at_depth(configs, component, n), tp, dtype, shape, layout)
-        more = _estimate(component, _at_depth(configs, component, n + 1), tp, dtype, shape, layout)[3]
-    return inputs, largest, peak, flops + (config.num_layers - n) * (more - flops)
+        more = _estimate(component, _at_depth(configs, component, n + 1), tp, dtype, shape, layout)
+    # Per-block inputs (LoRA slots) grow with depth as the FLOPs do; the others do not (the difference is 0).
+    return (inputs + (config.num_layers - n) * (more[0] - inputs), largest, peak,
+            flops + (config.num_layers - n) * (more[3] - flops))
 
 
 def fewest_layers(shape: dict) -> int:
@@ -233,6 +237,8 @@ def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, l
             torch.set_default_dtype(default)
         if layout.plain:
             _simulated_tp(module, tp)
+        slots = with_slots(module, component, shape)   # LoRA slots: inputs beside the weights, counted as inputs
+        slot_bytes = sum(p.numel() * p.element_size() for n, p in slots.named_parameters() if is_slot(n))
         gdef = make_graph(component, module, configs, shape, dtype, layout)
         if not layout.plain:
             apply_layout(gdef.module, layout)
@@ -240,7 +246,8 @@ def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, l
         with torch.no_grad(), FlopCounterMode(display=False) as flops, LiveBytes() as live:
             out = gdef.module.eval()(*args)
             del out
-    return sum(t.numel() * t.element_size() for t in args), live.largest, live.peak, flops.get_total_flops()
+    return (sum(t.numel() * t.element_size() for t in args) + slot_bytes, live.largest, live.peak,
+            flops.get_total_flops())
 
 
 # The functional collectives' ops, by the HLO opcode each lowers to (qic/backends/neuron/lower.py).
@@ -349,7 +356,7 @@ def plan_memory(spec, configs: dict, raw: dict, cache_dir: Path | None = None, j
         bucket = max(spec.text_buckets) or DROP_TOKENS + MAX_PROMPT_TOKENS
         plan.layout = spec.layout
         dtype = spec.dtype_of("denoiser")
-        planned = [s for n, s in graph_shapes(spec) if n == "denoiser"]
+        planned = [{k: v for k, v in s.items() if k != "lora_slots"} for n, s in graph_shapes(spec) if n == "denoiser"]
         for h, w in spec.resolutions:
             # only for a whole-step graph the family plans (Qwen-Image-2.1 has prefill and decode graphs instead)
             if {"resolution": [h, w], "bucket": max(spec.text_buckets)} not in planned:

@@ -293,12 +293,16 @@ def denoise(bundle: Runnable, req: Request, res, bucket, cfg: bool, x, text, tex
     slotted step graph takes as inputs (qic.runtime.lora)."""
     batch = x.shape[0]
     hooks = {"previews": previews, "decode": decode}
+    bind = None
+    if any(loras or []):
+        adapters = adapters_of(bundle)
+        bind = lambda graph: adapters.bind(graph, [lo or [] for lo in loras])   # noqa: E731
     if req.cache.active:
-        step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance)
+        step, decisions = cached_step(bundle, req.cache, res, bucket, cfg, batch, text, text_mask, guidance, bind)
         return denoise_loop(step, x, schedule, record_steps(times), **hooks), decisions.state
     graph = bundle.graph("denoiser", res, bucket, cfg=cfg, batch=batch)
-    if any(loras or []):
-        graph = adapters_of(bundle).bind(graph, [lo or [] for lo in loras])
+    if bind is not None:
+        graph = bind(graph)
     if any(spec["name"] == "negative_embeds" for spec in graph.inputs):   # packed CFG (graphs.packed_cfg)
         text, text_mask = branches
 

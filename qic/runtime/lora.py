@@ -76,7 +76,7 @@ class Adapters:
         self.loaded: OrderedDict[str, dict] = OrderedDict()
         self.sizes: dict[str, int] = {}
         self.hits = self.misses = 0
-        self._last: tuple | None = None      # (graph, names per image) -> its down / up slot tensors
+        self._last: tuple | None = None      # (adapter names per image, {slot tensor name: its down / up})
         self._lock = threading.Lock()
         for name, path in (named or {}).items():
             self.add(name, path)
@@ -129,21 +129,20 @@ class Adapters:
     def bind(self, graph, requests: list[list[tuple[str, float]]]):
         """The step graph over slot inputs filled with each image's adapters (a request's list, in batch order)."""
         per_image = [self.resolve(r) for r in requests]
-        key = (graph.name, tuple(tuple(name for _, name, _ in image) for image in per_image))
+        key = tuple(tuple(name for _, name, _ in image) for image in per_image)
+        matrices = {n: e for n, e in graph.lora_slots.items() if e["part"] != "scale"}
         with self._lock:
             mats = {name: self._load(name, lora) for image in per_image for lora, name, _ in image}
-            if self._last is not None and self._last[0] == key:
-                slots = self._last[1]
-            else:
-                slots = self._compose(graph, per_image, mats, ("down", "up"))
-                self._last = (key, slots)
-        return graph.with_weights({**slots, **self._compose(graph, per_image, mats, ("scale",))})
+            if self._last is None or self._last[0] != key:   # the last combination's down / up, by tensor name:
+                self._last = (key, {})                       # every graph of a step (step caching's parts) shares them
+            kept = self._last[1]
+            kept.update(self._compose({n: e for n, e in matrices.items() if n not in kept}, per_image, mats))
+        scales = {n: e for n, e in graph.lora_slots.items() if e["part"] == "scale"}
+        return graph.with_weights({**{n: kept[n] for n in matrices}, **self._compose(scales, per_image, mats)})
 
-    def _compose(self, graph, per_image, mats: dict, parts) -> dict[str, torch.Tensor]:
+    def _compose(self, entries: dict, per_image, mats: dict) -> dict[str, torch.Tensor]:
         out = {}
-        for tname, e in graph.lora_slots.items():
-            if e["part"] not in parts:
-                continue
+        for tname, e in entries.items():
             t = torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"]))
             for layer in range(e["shape"][0] if e["stacked"] else 1):
                 module = e["module"].format(i=layer) + ".weight"
@@ -180,7 +179,7 @@ class Adapters:
             self.hits += 1
             return self.loaded[name]
         self.misses += 1
-        mats = {module: lora.factors(module) for module in lora.targets}
+        mats = lora.factors()
         self.loaded[name] = mats
         self.sizes[name] = sum(d.nbytes + u.nbytes for d, u, _ in mats.values())
         while self.budget is not None and len(self.loaded) > 1 and self.held() > self.budget:

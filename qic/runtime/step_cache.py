@@ -37,9 +37,11 @@ class CachedStep:
     rows, then their uncond rows); under CFG-parallel this rank's graphs run its branch's rows only (`mine`)."""
 
     def __init__(self, model: Runnable, res, bucket, cfg: bool, batch: int, text, text_mask, guidance: list,
-                 decide: Callable[[int, torch.Tensor], list[bool]], mine: slice):
+                 decide: Callable[[int, torch.Tensor], list[bool]], mine: slice, bind=None):
+        """bind: graph -> the graph over this batch's LoRA adapters (qic.runtime.lora; None: as loaded)."""
         def part(name: str, rows: int | None = None):
-            return model.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part=name, rows=rows)
+            graph = model.graph("denoiser", res, bucket, cfg=cfg, batch=batch, part=name, rows=rows)
+            return graph if bind is None else bind(graph)
 
         def held(name: str, rows: int | None = None) -> bool:
             return model.has_graph("denoiser", res, bucket, cfg=cfg, batch=batch, part=name, rows=rows)
@@ -95,17 +97,17 @@ class CachedStep:
 
 
 def cached_step(model: Runnable, settings: CacheSettings, res, bucket, cfg: bool, batch: int, text, text_mask,
-                guidance: list) -> tuple[CachedStep, RowDecisions]:
+                guidance: list, bind=None) -> tuple[CachedStep, RowDecisions]:
     """The step-cached Step for these rows and the decisions it takes (whose `state` the run reports). Under
     CFG-parallel this rank's rows are its branch's; the decisions are made from the figures of each branch's
-    first rank, the same on all ranks (decision_figures)."""
+    first rank, the same on all ranks (decision_figures). bind: CachedStep's (the batch's LoRA adapters)."""
     rows = text.shape[0]
     split = model.layout.cfg > 1 and cfg
     local = rows // 2 if split else rows
     me = model.coords["cfg"]
     mine = slice(me * local, (me + 1) * local) if split else slice(0, rows)
     decide = RowDecisions(settings, rows, mine, lambda diff: decision_figures(model, settings, diff, split, rows))
-    return CachedStep(model, res, bucket, cfg, batch, text, text_mask, guidance, decide, mine), decide
+    return CachedStep(model, res, bucket, cfg, batch, text, text_mask, guidance, decide, mine, bind), decide
 
 
 def decision_figures(model: Runnable, settings: CacheSettings, diff: torch.Tensor, split: bool, rows: int) -> list:
