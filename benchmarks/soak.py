@@ -8,11 +8,12 @@ a1=... --lora a2=...`, random rank-4 adapters on every Linear) under a `--lora-b
 valid requests draw an adapter choice too (none, a1 at 0.5, a2 at 1.0, both), so adapters are read again all along.
 The server serves the bundle's own weights and two named weight sets (`--weights alt1=... --weights alt2=...`:
 the same preset written with other seeds and built with the same settings, so the build compiles nothing) under
-a `--weights-budget` that keeps one named set mapped, so requests that alternate between them unmap and map sets
-all along. `--clients` threads send, until `--seconds` have passed, a mix of valid requests (n 1 or 2, seeds from a
-small set, a model drawn from the three; a fifth of them streamed, with 0-2 partial images), malformed ones (bad
-JSON, wrong types, unknown keys, out-of-range values, a wrong method, partial images without a stream), requests
-whose client hangs up before the answer, and every `--burst-every` seconds a burst of twice the queue at once.
+a `--weights-budget` that keeps one named set mapped (`--sets-mapped`), so requests that alternate between them unmap
+and map sets all along. `--clients` threads send, until `--seconds` have passed, a mix of valid requests (n 1 or 2,
+seeds from a small set, a model drawn from the three; a fifth of them streamed, with 0-2 partial images), malformed
+ones (bad JSON, wrong types, unknown keys, out-of-range values, a wrong method, partial images without a stream),
+requests whose client hangs up before the answer, and every `--burst-every` seconds a burst of twice the queue at
+once.
 Then SIGTERM. Prints requests by status, p50/p99 latency of valid requests, the server's RSS after its first
 image and at the end, and checks (exit status 1 if not): no 5xx at all, every valid image (streamed or not)
 byte-equal to `qic run`'s (with `--weights` of its set, and `--lora` of its adapters: then the pixels, since the PNG
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", type=Path, default=Path("artifacts/bench-soak"))
     ap.add_argument("--cache-dir", type=Path, help="qic's compile cache for the build (default: DIR/cache)")
     ap.add_argument("--lora-slots", type=int, default=8, help="The bundle's LoRA slots (0: no adapters in the mix).")
+    ap.add_argument("--sets-mapped", type=int, default=1,
+                    help="Named weight sets --weights-budget holds at once (1: sets unmapped and mapped all along; 2: "
+                         "both stay mapped).")
     args = parse_args(ap, argv, {"seconds": 12, "clients": 4, "seeds": 3, "burst_every": 5.0, "dir": None})
     args.dir = args.dir or smoke_dir("soak")
     cache_dir = args.cache_dir or args.dir / "cache"
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     reference = {(model, lora): reference_pngs(bundle, args.dir, args.steps, args.seeds + 1, weights,
                                                [f"{adapters[a]}:{s}" for a, s in lora])
                  for model, weights in ((None, None), *sets.items()) for lora in args.loras}
-    budget = 1.5 * weight_bytes(sets["alt1"]) / 2**30   # GiB: one named set mapped at a time
+    budget = (args.sets_mapped + 0.5) * weight_bytes(sets["alt1"]) / 2**30   # GiB: --sets-mapped sets at a time
     extra = [a for name, path in sets.items() for a in ("--weights", f"{name}={path}")]
     extra += [a for name, path in adapters.items() for a in ("--lora", f"{name}={path}")]
     extra += ["--lora-budget", repr(lora_budget)] if adapters else []
@@ -122,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
 
     lat = sorted(soak.latencies)
     p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
-    print(f"soak: {args.seconds:g} s, {args.clients} clients, bundle {bundle} and weight sets alt1, alt2 (one "
-          f"mapped at a time), {args.steps} steps, --queue {args.queue}"
+    print(f"soak: {args.seconds:g} s, {args.clients} clients, bundle {bundle} and weight sets alt1, alt2 "
+          f"({args.sets_mapped} mapped at a time), {args.steps} steps, --queue {args.queue}"
           + (f", adapters a1, a2 (--lora-slots {args.lora_slots}, one held at a time)" if adapters else ""))
     print("| outcome | requests |\n|---|--:|")
     for key, count in sorted(soak.outcomes.items()):

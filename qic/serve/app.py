@@ -498,6 +498,9 @@ def served_models(runner) -> list[str]:
 async def _wait(request: Request, futures: list[asyncio.Future], timeout: float) -> str:
     """'done', 'disconnected' or 'timeout', whichever comes first."""
     results = asyncio.gather(*futures, return_exceptions=True)
+    # Cancelled below (a hang-up, a timeout), the gather ends in CancelledError that nothing awaits: retrieved here,
+    # or asyncio logs "exception was never retrieved" with a traceback for every hung-up request.
+    results.add_done_callback(lambda f: f.cancelled() or f.exception())
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({results, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
