@@ -171,7 +171,9 @@ def bench(args) -> dict:
         ckpt, configs = realwidth.write_realwidth_checkpoint(d / f"ckpt-depth{args.depth}", args.depth), \
             realwidth.reduced_configs(realwidth.CONFIGS, args.depth)
     units = bf16_units()
-    dtypes = ["float32"] + (["bfloat16"] if units and not args.fp32_only else [])
+    dtypes = ([] if args.bf16_only else ["float32"]) + (["bfloat16"] if units and not args.fp32_only else [])
+    if not dtypes:
+        raise SystemExit("--bf16-only: this CPU has no bf16 units (avx512_bf16, amx_bf16): no rows to run")
     res: dict = {"depth": configs["transformer"]["num_layers"], "steps": args.steps, "images": args.images,
                  "tiny": args.tiny, "bf16_units": units, "rows": []}
     lengths = {name: realwidth.templated_lengths(ckpt, [PROMPTS[name], NEGATIVE]) for name in args.prompts}
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", default="short,long", help=f"of {', '.join(PROMPTS)}")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile's back end for diffusers + compile")
     ap.add_argument("--fp32-only", action="store_true", help="no bf16 rows even where the CPU has bf16 units")
+    ap.add_argument("--bf16-only", action="store_true", help="only the bf16 rows (where the CPU has bf16 units)")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny checkpoint instead of the real widths")
     ap.add_argument("--dir", type=Path, default=Path("artifacts/per-image"))
     ap.add_argument("--cache-dir", type=Path, help="qic's compile cache (default: DIR/cache)")
