@@ -237,8 +237,8 @@ def _estimate(component: str, configs: dict, tp: int, dtype: str, shape: dict, l
             torch.set_default_dtype(default)
         if layout.plain:
             _simulated_tp(module, tp)
-        slots = with_slots(module, component, shape)   # LoRA slots: inputs beside the weights, counted as inputs
-        slot_bytes = sum(p.numel() * p.element_size() for n, p in slots.named_parameters() if is_slot(n))
+        with_slots(module, component, shape)   # LoRA slots: inputs beside the weights, counted as inputs
+        slot_bytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters() if is_slot(n))
         gdef = make_graph(component, module, configs, shape, dtype, layout)
         if not layout.plain:
             apply_layout(gdef.module, layout)

@@ -206,16 +206,15 @@ class StackedLayers(nn.Module):
         if any(True for _ in template.buffers()):
             raise ValueError("StackedLayers takes templates with parameters only (buffers would need stacking too)")
         self.num_layers, self.num_carry = num_layers, num_carry
-        self.names = [n for n, _ in template.named_parameters()]
-        self.stacked = _param_tree(template, num_layers)
-        for m in template.modules():  # the template keeps its code and RowLinear hooks, no tensors
-            for k in m._parameters:
-                m._parameters[k] = None
+        self.names: list[str] = []
+        self.stacked = nn.Module()
         self.template = template
+        self.adopt_new_parameters()
 
     def adopt_new_parameters(self) -> None:
-        """Stack parameters added to the template after construction (a LoRA slot: qic.models.lora_slots), each
-        repeated over the layers, and take them out of the template as __init__ does."""
+        """Stack the template's parameters (at construction all of them; later, those added to it since: a LoRA
+        slot, qic.models.lora_slots), each repeated over the layers, and take them out of the template: it keeps
+        its code and RowLinear hooks, no tensors."""
         new = [n for n, _ in self.template.named_parameters()]
         tree = _param_tree(self.template, self.num_layers)
         for name in new:
