@@ -2,6 +2,9 @@
 
     python -m benchmarks.per_image [--depth 2] [--resolutions 128,256,512,1024] [--steps 20] [--images 2]
     python -m benchmarks.per_image --table-only --dir DIR   # the table of an earlier run's DIR/results.json
+    python -m benchmarks.per_image --resolutions 1024 --steps 5 --project-steps 20 \
+        --sides qic,diffusers,diffusers-compile   # where 20 steps a side take hours: each image at 5 steps, per image
+                                                  # at 20 reckoned from its measured stages (text + 20 x step + rest)
     python -m benchmarks.per_image --smoke   # --tiny, 48x80, 2 steps, the short prompt, 1 image; torch.compile's
                                              # "eager" back end
 
@@ -19,7 +22,8 @@ Each side draws one warm-up image per prompt, then `--images` timed ones: per im
 and per stage: text encoder, the steps, the VAE decoder, and host work (the rest). The step's FLOPs each side
 computes are counted on fake tensors: qic's graph at its text rows (padded to the bucket, or the prompt's own
 length exact), diffusers' two calls at the prompts' own lengths. bf16 rows run where the CPU has bf16 units
-(avx512_bf16 or amx_bf16 in /proc/cpuinfo; detected and printed). Figures for docs/benchmarks.md.
+(avx512_bf16 or amx_bf16 in /proc/cpuinfo; detected and printed). DIR/results.json is written after each
+resolution, so a run stopped for time keeps the rows it finished. Figures for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -179,50 +183,58 @@ def bench(args) -> dict:
     lengths = {name: realwidth.templated_lengths(ckpt, [PROMPTS[name], NEGATIVE]) for name in args.prompts}
     for dtype in dtypes:
         bundles = {"qic": d / f"bundle-{dtype}", "qic-128": d / f"bundle-{dtype}-128"}
-        builds = {"qic": build(args, ckpt, dtype, args.text_buckets, bundles["qic"]),
-                  "qic-128": build(args, ckpt, dtype, "128", bundles["qic-128"])}
-        print(f"{dtype}: builds {builds['qic']:.0f} s (text buckets {args.text_buckets or 'the default'}), "
-              f"{builds['qic-128']:.0f} s (bucket 128)", flush=True)
+        buckets = {"qic": args.text_buckets, "qic-128": "128"}
+        builds = {q: build(args, ckpt, dtype, buckets[q], bundles[q]) for q in bundles if q in args.sides}
+        print(f"{dtype}: builds " + ", ".join(f"{q} {t:.0f} s" for q, t in builds.items()), flush=True)
         for r in args.resolutions:
             sides = {}
-            for side in SIDES:
+            for side in args.sides:
                 sides[side] = run_side(args, side, r, dtype, bundles.get(side, ckpt))
                 print(f"{dtype} {label(r)} {side}: " + ", ".join(
                     f"{p} {statistics.median(x['total'] for x in v['runs']):.2f} s" for p, v in sides[side].items()),
                     flush=True)
             h, w = resolution(r)
             for name, (n_cond, n_uncond) in lengths.items():
-                bucket = sides["qic"][name]["runs"][0]["bucket"]   # 0: exact length, each row at its own
+                bucket = sides[args.sides[0]][name]["runs"][0]["bucket"]   # 0: exact length, each row at its own
                 flops = {q: step_flops(configs, h, w, sides[q][name]["runs"][0]["bucket"], lengths=(n_cond, n_uncond))
-                         for q in ("qic", "qic-128")}
+                         for q in ("qic", "qic-128") if q in sides}
                 flops["diffusers"] = sum(step_flops(configs, h, w, n, cfg=False) for n in (n_cond, n_uncond))
                 flops["diffusers-compile"] = flops["diffusers"]
                 res["rows"].append({"dtype": dtype, "size": r, "prompt": name, "tokens": [n_cond, n_uncond],
                                     "bucket": bucket, "flops": flops, "build": builds,
                                     "sides": {s: v[name] for s, v in sides.items()}})
-    (d / "results.json").write_text(json.dumps(res, indent=1))
+            (d / "results.json").write_text(json.dumps(res, indent=1))   # each resolution's rows as they finish
     return res
 
 
-def table(res: dict) -> str:
+def table(res: dict, project: int | None = None) -> str:
+    """The rows; with `project`, per image at that many steps: each image's text encoder, decoder and host work as
+    measured, and `project` steps at its measured median step (the step's graph and inputs are the same each step)."""
     width = "tiny" if res["tiny"] else "real"
+    per_image = (f"per image at {project} steps: measured text + decoder + host, {project} x the measured median "
+                 f"step" if project else "per image")
     out = [f"{width} width, depth {res['depth']}, {res['steps']} steps, true CFG {GUIDANCE}, medians of "
            f"{res['images']} images after a warm-up image per prompt; bf16 units: "
-           f"{', '.join(res['bf16_units']) or 'none (bf16 rows not run)'}", "",
+           f"{', '.join(res['bf16_units']) or 'none (bf16 rows not run)'}; {per_image}", "",
            "| dtype | size | prompt (templated tokens cond/uncond) | side | per image | / best reference | per step "
            "| text enc. | steps | decoder | host | step GFLOP | compile |",
            "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for row in res["rows"]:
         med = {s: {k: statistics.median(x[k] for x in v["runs"]) for k in ("total", "text", "steps", "decode", "step")}
                for s, v in row["sides"].items()}
+        for m in med.values():
+            m["measured"] = m["total"]   # the compile column's baseline: an image at the steps run
+            if project:
+                m["total"] += project * m["step"] - m["steps"]
+                m["steps"] = project * m["step"]
         best = min(med["diffusers"]["total"], med["diffusers-compile"]["total"])
         for side, m in med.items():
             first = row["sides"][side]["first"]
             # Compiling happens in the first image of the first prompt; a later prompt's first image is slower only
             # where its new text length recompiles (0 where it did not, or ran faster by chance).
-            compile_s = (f"{max(0.0, first - m['total']):.0f} s" if side == "diffusers-compile"
+            compile_s = (f"{max(0.0, first - m['measured']):.0f} s" if side == "diffusers-compile"
                          else f"{row['build'][side]:.0f} s build" if side in row["build"] else "")
-            host = m["total"] - m["text"] - m["steps"] - m["decode"]
+            host = m["total"] - m["text"] - m["steps"] - m["decode"]   # unchanged by the projection
             out.append(f"| {row['dtype']} | {label(row['size'])} | {row['prompt']} ({row['tokens'][0]}/"
                        f"{row['tokens'][1]}) | {side} | {m['total']:.2f} s | {m['total'] / best:.2f}x | "
                        f"{m['step'] * 1e3:.0f} ms | {m['text']:.2f} s | {m['steps']:.2f} s | {m['decode']:.2f} s | "
@@ -246,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", type=Path, default=Path("artifacts/per-image"))
     ap.add_argument("--cache-dir", type=Path, help="qic's compile cache (default: DIR/cache)")
     ap.add_argument("--table-only", action="store_true", help="print the table of DIR/results.json (no run)")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"of {', '.join(SIDES)} (both references always)")
+    ap.add_argument("--project-steps", type=int, help="the table's per image at this many steps, from each image's "
+                                                      "measured stages and median step (for runs at fewer --steps)")
     ap.add_argument("--side", nargs=8, help=argparse.SUPPRESS)
     # The smoke proves the path: the tiny model, and torch.compile's "eager" back end (dynamo traces the block, no
     # C++ compiles); its figures mean nothing.
@@ -257,8 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     args.prompts = args.prompts.split(",")
     if not args.prompts or set(args.prompts) - set(PROMPTS):
         ap.error(f"--prompts: a comma-separated list of {', '.join(PROMPTS)}")
+    args.sides = [s for s in SIDES if s in args.sides.split(",")]
+    if not {"diffusers", "diffusers-compile"} <= set(args.sides) or not set(args.sides) & {"qic", "qic-128"}:
+        ap.error(f"--sides: a comma-separated list of {', '.join(SIDES)} with both references and a qic side")
     args.resolutions = [f"{h}x{w}" if h != w else str(h) for h, w in map(resolution, args.resolutions.split(","))]
-    print(table(json.loads((args.dir / "results.json").read_text()) if args.table_only else bench(args)))
+    print(table(json.loads((args.dir / "results.json").read_text()) if args.table_only else bench(args),
+                args.project_steps))
 
 
 if __name__ == "__main__":
