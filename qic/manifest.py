@@ -20,9 +20,14 @@ from qic.errors import BundleError
 # family and its host program; a runtime before it would run any family's bundle as Qwen-Image's text-to-image).
 # A qic older than the bundle then refuses it with "upgrade qic" (read_manifest below, checked before any graph or
 # weight is touched); one newer than the bundle refuses it with "rebuild". A field an older runtime may safely
-# ignore needs no bump.
-FORMAT_VERSION = 3
+# ignore needs no bump. Format 4: `kind` (a weight set, qic build --weights-for, which a runtime before it would take
+# for a bundle and fail on) and `layers` (how a weight set for a bundle's graphs is cut). The build key includes the
+# format, so a bundle of an older format is written again by a build to the same output.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
+# A manifest's `kind` when it describes a weight set (qic build --weights-for): weight files cut for another bundle's
+# graphs and no graphs of its own; a bundle's manifest has no `kind`.
+WEIGHT_SET = "weights"
 
 
 def canonical(obj) -> bytes:
@@ -70,6 +75,15 @@ def read_manifest(bundle: Path) -> dict:
                           "rebuild the bundle with this qic")
     if manifest.get("id") != bundle_id(manifest):
         raise BundleError(f"{path}: manifest content hash mismatch (the manifest was edited or damaged)")
+    return manifest
+
+
+def read_bundle(bundle: Path) -> dict:
+    """read_manifest, refusing a weight set (it has no graphs to run) in one line."""
+    manifest = read_manifest(bundle)
+    if manifest.get("kind") == WEIGHT_SET:
+        raise BundleError(f"{bundle}: a weight set (qic build --weights-for), not a bundle: it has no graphs",
+                          f"run it through the bundle it was cut for: --weights {bundle}")
     return manifest
 
 

@@ -6,7 +6,6 @@ Every validation error names the key and the allowed values. Cache keys derive f
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from qic import backends, family
-from qic.checkpoint.lora import parse_lora_arg
+from qic.checkpoint.lora import lora_entry
 from qic.checkpoint.presets import default_resolutions, default_text_buckets
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import ConfigError
@@ -395,20 +394,8 @@ def _loras(value, source: str) -> tuple[tuple[str, float], ...]:
     """A list of 'FILE[:SCALE]' strings or {file, scale} mappings."""
     if not isinstance(value, (list, tuple, str, Mapping)):
         raise ConfigError(f"{source}: loras must be a list of FILE[:SCALE] or {{file, scale}}, got {value!r}")
-    out = []
-    for item in value if isinstance(value, (list, tuple)) else [value]:
-        if not isinstance(item, (str, Mapping)):
-            raise ConfigError(f"{source}: a loras entry must be FILE[:SCALE] or {{file, scale}}, got {item!r}")
-        if isinstance(item, Mapping):
-            if "file" not in item or set(item) - {"file", "scale"}:
-                raise ConfigError(f"{source}: a loras entry must be FILE[:SCALE] or {{file, scale}}, got {item!r}")
-            path, scale = str(item["file"]), item.get("scale", 1.0)
-        else:
-            path, scale = parse_lora_arg(str(item))
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-            raise ConfigError(f"{source}: LoRA scale for {path} must be a finite number, got {scale!r}")
-        out.append((path, float(scale)))
-    return tuple(out)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(lora_entry(item, "file", source, "loras entry") for item in items)
 
 
 def _cfg(value, defaults: dict, source: str) -> tuple[bool, ...]:

@@ -439,7 +439,7 @@ def test_concurrent_builds_to_one_output_take_turns(tmp_path, tiny_ckpt, cache_d
     from qic.builder import bundle as bundle_stage
     from qic.builder.pipeline import build
     gate = threading.Barrier(2, timeout=3)
-    real = bundle_stage._up_to_date
+    real = bundle_stage.up_to_date
 
     def meet_then_check(out, key):
         try:
@@ -447,7 +447,7 @@ def test_concurrent_builds_to_one_output_take_turns(tmp_path, tiny_ckpt, cache_d
         except threading.BrokenBarrierError:
             pass   # the other build is not there: it holds the lock, or has finished
         return real(out, key)
-    monkeypatch.setattr(bundle_stage, "_up_to_date", meet_then_check)
+    monkeypatch.setattr(bundle_stage, "up_to_date", meet_then_check)
     spec = load_spec(None, {"model": str(tiny_ckpt), "cache_dir": str(cache_dir), "output": str(tmp_path / "out"),
                             "components": "vae_decoder", "resolutions": ["16x16"], "backend": "export"})
     from qic.spec import with_changes

@@ -263,6 +263,24 @@ def test_compiled_slots_at_tp1_and_tp2(slotted, tiny_ckpt, cache_dir, workdir, a
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--cfg-parallel",), ("--ulysses", "2")], ids=["cfg-parallel", "ulysses2"])
+def test_slots_under_cfg_parallel_and_ulysses(slotted, tiny_ckpt, cache_dir, workdir, adapters, tmp_path, layout):
+    """Two ranks per image, each CFG branch (CFG-parallel) or each half of the sequence (Ulysses) on a rank of its
+    own (qic run launches them): every rank's rows take the image's adapters, so the image is the one-rank bundle's."""
+    from PIL import Image
+    bundle = _build(tiny_ckpt, cache_dir, workdir / f"bundle-slots{'-'.join(layout)}", "--backend", "export", *layout,
+                    "--lora-slots", str(SLOTS))
+    ref = _run(Bundle(slotted), f"{adapters['a']}:0.7", f"{adapters['b']}:0.3")
+    out = tmp_path / "img.png"
+    qic("run", bundle, "--prompt", PROMPT, "--steps", str(STEPS), "--lora", f"{adapters['a']}:0.7", "--lora",
+        f"{adapters['b']}:0.3", "--output", out)
+    mx, mean = image_diff(Image.open(out), ref)
+    print(f"{' '.join(layout)}: max {mx:.0f}/255 mean {mean:.4f}")
+    assert mx <= BOUND_MAX and mean <= BOUND_MEAN
+    assert image_diff(ref, _run(Bundle(slotted)))[0] > BOUND_MAX   # the adapters change the image past the bound
+
+
+@pytest.mark.slow
 def test_served_requests_pick_adapters_and_strengths(slotted, adapters, tmp_path):
     """qic serve --lora NAME=FILE: a request's lora field picks adapters and strengths (the openai client's extra
     body), drawing qic run --lora's pixels; a name not served, or a file path, is a 400 naming it; /metrics counts

@@ -829,6 +829,38 @@ def test_named_weight_sets_are_models_picked_per_request_and_mapped_within_the_b
         proc.stderr
 
 
+def test_a_checkpoint_folder_is_cut_into_a_weight_set_and_served_as_a_model(bundle, tmp_path):
+    """--weights NAME=DIR with a checkpoint folder (the bundle's architecture, other weights: the tiny preset at seed
+    1): cut for the bundle's graphs under --cache-dir before the port opens (qic build --weights-for, in a process of
+    its own), served as model NAME: its PNG is `qic run --weights SET`'s byte for byte and not the bundle's own; the
+    next start finds the set in place; a folder that is neither a bundle nor a checkpoint is one line at start."""
+    from qic.checkpoint.embedded import write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", "tiny", seed=1)
+    cache = tmp_path / "cache"
+    pngs = []
+    for start in range(2):
+        srv = ServeProcess(bundle, tmp_path / f"serve{start}.log", "--weights", f"s1={ckpt}", "--cache-dir", cache)
+        try:
+            status, _, listed = request(srv.port, "GET", "/v1/models")
+            assert [m["id"] for m in listed["data"]] == [bundle.name, "s1"]
+            status, _, body = gen(srv.port, seed=6, model="s1")
+            assert status == 200, body
+            pngs.append(png_of(body))
+        finally:
+            srv.close()
+    logs = [(tmp_path / f"serve{start}.log").read_text() for start in range(2)]
+    assert f"weight set s1: checkpoint {ckpt} cut for" in logs[0] and "already cut" in logs[1], logs
+    [made] = (cache / "weight-sets").iterdir()
+    qic("run", bundle, "--weights", made, "--prompt", "a red bicycle", "--steps", STEPS, "--seed", 6,
+        "--output", tmp_path / "s1.png")
+    assert pngs[0] == pngs[1] == (tmp_path / "s1.png").read_bytes()
+    qic("run", bundle, "--prompt", "a red bicycle", "--steps", STEPS, "--seed", 6, "--output", tmp_path / "own.png")
+    assert pngs[0] != (tmp_path / "own.png").read_bytes()
+    proc = qic("serve", bundle, "--port", "0", "--weights", f"nothing={tmp_path}", check=False)
+    assert proc.returncode != 0 and "neither a qic bundle" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr
+
+
 @pytest.mark.parametrize("flags, says", [(["--device", "neuron"], "runs on device cpu or cuda, not 'neuron'"),
                                          (["--weights", "{tmp}"], "not a qic bundle (no manifest.json)")],
                          ids=["device", "weights-not-a-bundle"])

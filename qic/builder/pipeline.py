@@ -27,6 +27,7 @@ from qic.builder.workers import CompileWorkers, plan_workers
 from qic.cache import layout
 from qic.cache.remote import open_remote
 from qic.fsutil import sweep_stale
+from qic.manifest import FORMAT_VERSION
 from qic.spec import BuildSpec
 
 
@@ -77,7 +78,7 @@ def build(spec: BuildSpec, progress=None, on_plan=None, compile_jobs: int | None
         comp = family.component(name)
         t = time.perf_counter()
         res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp_of(name, spec.tp), spec.dtype_of(name),
-                              ctx.cache, _tick(progress, "shard", name), looped=looped(spec, name),
+                              ctx.cache, stage_progress(progress, "shard", name), looped=looped(spec, name),
                               loras=ctx.loras if comp.lora_target else ())
         shards[name] = res
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
@@ -140,7 +141,7 @@ def _build_key(spec, digest, tokenizer, shards, artifacts) -> str:
     body = {"spec": {k: v for k, v in spec.to_json().items() if k not in where},
             "checkpoint": digest, "tokenizer": tokenizer, "shards": {k: v.key for k, v in shards.items()},
             "graphs": [a.graph_key for a in artifacts], "qic": __version__, "torch": torch.__version__,
-            "neffs": [a.meta.get("neff", {}).get("sha256") for a in artifacts]}
+            "neffs": [a.meta.get("neff", {}).get("sha256") for a in artifacts], "format": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
@@ -148,7 +149,7 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def _tick(progress, stage, item):
+def stage_progress(progress, stage, item):
     if progress is None:
         return None
     return lambda nbytes: progress(stage, item, nbytes)

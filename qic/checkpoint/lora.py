@@ -14,6 +14,7 @@ anything else is an error naming the key: nothing is skipped silently.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -159,6 +160,25 @@ def _config_alpha(config: dict | None, module: str, rank: int) -> float:
         if re.match(rf"(.*\.)?({pattern})$", module):
             return float(alpha)
     return float(config.get("lora_alpha", rank))
+
+
+def lora_entry(item, key: str, source: str, entry: str) -> tuple[str, float]:
+    """One LoRA entry, 'X[:SCALE]' or {key: X, "scale": SCALE} (a build config's `loras`: key "file"; a request's
+    adapters: "name"), as (X, scale): X a non-empty string, the scale a finite number (1.0 when not given). `entry`:
+    what the messages call it (the key it is under)."""
+    if isinstance(item, Mapping):
+        if key not in item or set(item) - {key, "scale"}:
+            raise ConfigError(f"{source}: a {entry} must be {key.upper()}[:SCALE] or {{{key}, scale}}, got {item!r}")
+        x, scale = item[key], item.get("scale", 1.0)
+    elif isinstance(item, str):
+        x, scale = parse_lora_arg(item)
+    else:
+        raise ConfigError(f"{source}: a {entry} must be {key.upper()}[:SCALE] or {{{key}, scale}}, got {item!r}")
+    if not isinstance(x, str) or not x:
+        raise ConfigError(f"{source}: a {entry}'s {key} must be a non-empty string, got {x!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ConfigError(f"{source}: the LoRA scale for {x} must be a finite number, got {scale!r}")
+    return x, float(scale)
 
 
 def parse_lora_arg(value: str) -> tuple[str, float]:

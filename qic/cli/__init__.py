@@ -167,7 +167,7 @@ _SERVE_WEIGHTS = click.option(
     "--weights", "weights_from", multiple=True,
     help="BUNDLE: run with another bundle's weights, as qic run's --weights. NAME=BUNDLE (repeatable): also serve "
          "that bundle's weights through the same graphs as model NAME (a request's `model` picks it; /v1/models "
-         "lists them).")
+         "lists them). NAME=DIR: a checkpoint folder, cut into a weight set for the graphs first (--cache-dir).")
 
 
 def _serve_load_options(fn):
@@ -184,9 +184,15 @@ def _serve_load_options(fn):
 @click.option("--jobs", type=int, default=None,
               help="Compile up to K graphs side by side in worker processes (default: one per core, as free "
                    "memory allows; $QIC_COMPILE_JOBS).")
+@click.option("--weights-for", type=click.Path(file_okay=False),
+              help="BUNDLE: compile nothing; cut --model's weights for BUNDLE's graphs into a weight set at --output "
+                   "(run as qic run BUNDLE --weights OUTPUT, or served with qic serve BUNDLE --weights NAME=OUTPUT).")
 @_friendly
-def build_command(config, resolutions, jobs, **flags):
+def build_command(config, resolutions, jobs, weights_for, **flags):
     """Shard, compile and bundle a checkpoint (CONFIG: a YAML build config; default: the trained embedded:shapes)."""
+    if weights_for:
+        from qic.cli.build import run_weight_set
+        return run_weight_set(weights_for, config, _overrides(resolutions, **flags), jobs)
     from qic.cli.build import run_build
     run_build(config, _overrides(resolutions, **flags), jobs)
 
@@ -338,25 +344,27 @@ def doctor_command(as_json):
               help="Most compatible images run as one batch, where the bundle has graphs for it.")
 @_serve_load_options
 @click.option("--weights-budget", type=float, default=None,
-              help="GiB of named weight sets (--weights NAME=BUNDLE) kept mapped at once; past it the least recently "
-                   "used is unmapped (default: all stay).")
+              help="GiB of named weight sets (--weights NAME=BUNDLE_OR_DIR) kept mapped at once; past it the least "
+                   "recently used is unmapped (default: all stay).")
 @click.option("--lora", "loras", multiple=True,
               help="NAME=FILE: a LoRA adapter requests may name in their `lora` field, with a scale each (a bundle "
                    "built with --lora-slots; any format qic build --lora reads); repeatable.")
 @click.option("--lora-budget", type=float, default=None,
               help="GiB of adapter matrices kept in memory; past it the least recently used is read again when next "
                    "named (default: all stay).")
+@click.option("--cache-dir", default="artifacts/cache", show_default=True,
+              help="Where a checkpoint folder given as --weights NAME=DIR is cut into a weight set for the bundle's "
+                   "graphs (kept for the next start).")
 @_friendly
 def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, weights_budget, loras, lora_budget,
-                  **load):
+                  cache_dir, **load):
     """Serve a bundle over HTTP with the OpenAI images API (POST /v1/images/generations)."""
     from qic.cli.serve import run_serve
     from qic.errors import ConfigError
-    from qic.runtime.lora import parse_named
-    from qic.serve.settings import Settings
-    from qic.serve.weight_sets import parse_weights
+    from qic.serve.settings import Settings, parse_adapters
+    from qic.serve.weight_sets import as_weight_sets, parse_weights
     load["weights_from"], named = parse_weights(load.get("weights_from"), os.path.basename(os.path.realpath(bundle)))
-    adapters = parse_named(loras)
+    adapters = parse_adapters(loras)
     if lora_budget is not None and not lora_budget > 0:
         raise ConfigError("--lora-budget must be a positive number of GiB")
     if weights_budget is not None and not weights_budget > 0:
@@ -364,6 +372,7 @@ def serve_command(bundle, host, port, tp, queue, timeout, max_n, max_batch, weig
     if weights_budget is not None and not named:
         raise ConfigError("--weights-budget keeps named weight sets mapped, and none is given",
                           "add --weights NAME=BUNDLE, or drop --weights-budget")
+    named = as_weight_sets(named, bundle, cache_dir)
     run_serve(bundle, host, port, tp, Settings(queue=queue, timeout=timeout, max_n=max_n, max_batch=max_batch), load,
               {"named": named, "budget": None if weights_budget is None else weights_budget * 2**30,
                "loras": adapters, "lora_budget": None if lora_budget is None else lora_budget * 2**30})

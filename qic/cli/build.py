@@ -33,6 +33,44 @@ def run_build(config, overrides, jobs: int | None = None) -> None:
                 bar.advance(tasks[key], nbytes)
 
         report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec, jobs), compile_jobs=jobs)
+    _print_report(report, console, "bundle")
+
+
+def run_weight_set(bundle: str, config, overrides: dict, jobs: int | None) -> None:
+    """`qic build --weights-for BUNDLE --model DIR --output SET`: the checkpoint's weights cut for BUNDLE's graphs
+    (qic.builder.weight_set). Everything else about the build is BUNDLE's, so no other setting is taken."""
+    from qic.builder.weight_set import build_weight_set
+    from qic.errors import ConfigError
+    given = [k for k, v in overrides.items() if v is not None and k not in ("model", "output", "cache_dir")]
+    given += ["config"] * bool(config) + ["jobs"] * (jobs is not None)
+    if given:
+        # the repeatable flags' keys are plural: --resolution gives `resolutions`
+        flag = {"resolutions": "resolution", "loras": "lora", "cache_public_keys": "cache_public_key",
+                "condition_sizes": "condition_size"}.get(given[0], given[0])
+        what = "a build config" if given[0] == "config" else f"--{flag.replace('_', '-')}"
+        raise ConfigError(f"--weights-for {bundle}: {what} is not taken: the graphs, and so every setting, are "
+                          "the bundle's", f"drop {what}")
+    for flag in ("model", "output"):
+        if not overrides.get(flag):
+            raise ConfigError(f"--weights-for {bundle}: --{flag} is needed (the checkpoint to convert, and where "
+                              "the weight set goes)")
+    console = wide_console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        tasks = {}
+
+        def progress(stage, item, nbytes):
+            if (stage, item) not in tasks:
+                tasks[stage, item] = bar.add_task(f"{stage:8} {item}", total=None)
+            elif nbytes:
+                bar.advance(tasks[stage, item], nbytes)
+
+        report = build_weight_set(bundle, overrides["model"], overrides["output"],
+                                  overrides.get("cache_dir") or "artifacts/cache", progress=progress)
+    _print_report(report, console, "weight set")
+
+
+def _print_report(report, console, what: str) -> None:
     table = Table(title=f"qic build -> {report.output}", show_lines=False)
     for col in ("stage", "item", "result", "size", "time"):
         table.add_column(col, justify="right" if col in ("size", "time") else "left")
@@ -43,7 +81,7 @@ def run_build(config, overrides, jobs: int | None = None) -> None:
     total = len(report.rows)
     workers = f" ({report.compile_workers} compile workers)" if report.compile_workers else ""
     out.print(f"{report.hits}/{total} from cache ({100 * report.hits // max(total, 1)}% hits), "
-              f"{report.seconds:.1f}s{workers}; bundle {'unchanged' if report.up_to_date else 'written'}: "
+              f"{report.seconds:.1f}s{workers}; {what} {'unchanged' if report.up_to_date else 'written'}: "
               f"{report.output}")
     for line in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qic.backends import loader
-from qic.manifest import check_compatible, read_manifest, verify_files
+from qic.manifest import WEIGHT_SET, check_compatible, read_manifest, verify_files
 from qic.parallel.mesh import AXES, Layout
 from qic.verified import VerificationCache
 
@@ -20,6 +20,8 @@ def run_inspect(bundle: str, full: bool = False) -> None:
     path = Path(bundle)
     manifest = read_manifest(path)
     out = Console()
+    if manifest.get("kind") == WEIGHT_SET:
+        return _inspect_weight_set(path, manifest, out, full)
     out.print(f"[bold]bundle[/bold] {path}  id {manifest['id'][:16]}")
     out.print(f"model {manifest['model']['id']}  digest {manifest['model']['digest'][:16]}")
     out.print(f"built with qic {manifest['versions']['qic']}, torch {manifest['versions']['torch']}; "
@@ -64,3 +66,15 @@ def run_inspect(bundle: str, full: bool = False) -> None:
         out.print("compatible with this qic and torch")
     except Exception as e:  # inspect still reports; run would refuse
         out.print(f"[yellow]not loadable here: {e}[/yellow]")
+
+
+def _inspect_weight_set(path: Path, manifest: dict, out: Console, full: bool) -> None:
+    """A weight set (qic build --weights-for): what it was cut for and from, its files verified."""
+    out.print(f"[bold]weight set[/bold] {path}  id {manifest['id'][:16]}  for bundle {manifest['weights_for'][:16]}")
+    out.print(f"model {manifest['model']['id']}  digest {manifest['model']['digest'][:16]}")
+    out.print(f"built with qic {manifest['versions']['qic']}, torch {manifest['versions']['torch']}; tp "
+              f"{manifest['tp']}; dtypes {manifest['dtypes']}; components {', '.join(manifest['components'])}")
+    trusted = verify_files(path, manifest, cache=VerificationCache(), full=full)
+    out.print(f"verified {len(manifest['files'])} files: all hashes match"
+              + (f" ({trusted} unchanged by their recorded hash)" if trusted else ""))
+    out.print(f"runs as: qic run BUNDLE --weights {path}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from qic.errors import ConfigError
 from qic.host.cache_policy import computed_line
 from qic.host.options import BY_NAME, FLAG, LINE, given_at, untaken
-from qic.manifest import read_manifest
+from qic.manifest import read_bundle
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
@@ -28,7 +28,7 @@ def run_cli(bundle_path: str, options: dict) -> None:
         raise ConfigError("give exactly one of --prompt, --prompts-file, --interactive")
     lines = _read_prompts(Path(options["prompts_file"])) if options.get("prompts_file") else [{}]
     ranks = bundle_world(bundle_path, options.get("tp"), "run")
-    program = program_of(read_manifest(Path(bundle_path)))
+    program = program_of(read_bundle(Path(bundle_path)))
     base = {k: v for k, v in options.items() if k in _OPTION_KEYS and v is not None}
     _refuse_untaken(program, base, None)
     for n, line in enumerate(lines, 1):

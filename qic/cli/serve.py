@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from qic.errors import ConfigError, QicError
-from qic.manifest import read_manifest
+from qic.manifest import read_bundle
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 
 # Sent by the parent to the ranks still running when one fails; its default action ends the followers,
@@ -43,7 +43,7 @@ def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, 
     the named weight sets served beside it ({"named": {name: bundle}, "budget": bytes or None})."""
     load = {k: v for k, v in (load or {}).items() if v is not None}
     ranks = bundle_world(bundle_path, tp, "serve")
-    _check_servable(read_manifest(Path(bundle_path)))
+    _check_servable(read_bundle(Path(bundle_path)))
     if torchrun_world() is not None:
         raise ConfigError("qic serve starts its own ranks; do not launch it with torchrun",
                           f"run `qic serve {bundle_path}` (it starts the bundle's {ranks} ranks)")

@@ -14,7 +14,7 @@ from qic.backends import load_graph, loader, lockstep
 from qic.dtypes import TORCH_DTYPES
 from qic.errors import BundleError
 from qic.graph_names import graph_name
-from qic.manifest import check_compatible, read_manifest, verify_files
+from qic.manifest import check_compatible, read_bundle, read_manifest, verify_files
 from qic.parallel.mesh import RANK_INPUTS, Layout, join
 from qic.runtime.protocol import refuse_unlisted
 from qic.tokenizer import load_tokenizer
@@ -65,7 +65,7 @@ class Bundle:
         sets), instead of loading it again."""
         t0 = time.perf_counter()
         self.path = Path(path)
-        self.manifest = m = read_manifest(self.path)
+        self.manifest = m = read_bundle(self.path)
         check_compatible(m, __version__, torch.__version__)
         self.device = device or m["device"]
         loader(m["backend"]["backend"]).check(self.path, m, self.device)

@@ -8,14 +8,14 @@ import os
 from pathlib import Path
 
 from qic.errors import ConfigError
-from qic.manifest import read_manifest
+from qic.manifest import read_bundle
 from qic.parallel.mesh import Layout
 
 
 def bundle_world(bundle_path: str | Path, asked: int | None, verb: str) -> int:
     """The ranks the bundle's layout asks for (tp x ulysses x cfg, qic/parallel/mesh.py); --tp, when given,
     must equal the bundle's TP degree."""
-    manifest = read_manifest(Path(bundle_path))
+    manifest = read_bundle(Path(bundle_path))
     built = manifest["tp"]
     if asked is not None and asked != built:
         raise ConfigError(f"--tp {asked} asked for, but the bundle was built for tp={built}",

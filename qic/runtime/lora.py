@@ -12,14 +12,13 @@ as it fills its slots.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
-from qic.checkpoint.lora import Lora, load_lora, parse_lora_arg
+from qic.checkpoint.lora import Lora, load_lora, lora_entry
 from qic.errors import ConfigError
 
 _SHAPE = type("_Shape", (), {"__init__": lambda self, shape: setattr(self, "shape", tuple(shape))})
@@ -28,35 +27,9 @@ _SHAPE = type("_Shape", (), {"__init__": lambda self, shape: setattr(self, "shap
 def parse_choices(values, source: str = "lora") -> list[tuple[str, float]]:
     """A request's lora entries, 'NAME[:SCALE]' strings (qic run, a prompts-file line) or {"name", "scale"} objects
     (qic serve's body), as (name, scale) pairs (which it takes too)."""
-    out = []
-    for v in values or []:
-        if isinstance(v, tuple) and len(v) == 2:   # already parsed (a request validated twice: admitted, then run)
-            name, scale = v
-        elif isinstance(v, dict):
-            if "name" not in v or set(v) - {"name", "scale"}:
-                raise ConfigError(f"{source}: an entry must be {{\"name\": ..., \"scale\": ...}}, got {v!r}")
-            name, scale = v["name"], v.get("scale", 1.0)
-        else:
-            name, scale = parse_lora_arg(v)
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{source}: an adapter name must be a non-empty string, got {name!r}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise ConfigError(f"{source}: the scale of adapter {name} must be a finite number, got {scale!r}")
-        out.append((name, float(scale)))
-    return out
-
-
-def parse_named(values) -> dict[str, str]:
-    """qic serve's `--lora NAME=FILE` values: {name: file}, each name once."""
-    named = {}
-    for value in values or ():
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError(f"--lora {value}: give NAME=FILE (the name requests use, and the adapter's file)")
-        if name in named:
-            raise ConfigError(f"--lora {value}: the name {name!r} is given twice")
-        named[name] = path
-    return named
+    # (a pair: already parsed, as a request is validated twice: admitted, then run)
+    pairs = ({"name": v[0], "scale": v[1]} if isinstance(v, tuple) and len(v) == 2 else v for v in values or [])
+    return [lora_entry(v, "name", source, "lora entry") for v in pairs]
 
 
 class Adapters:

@@ -1,4 +1,4 @@
-"""Several weight sets behind one set of graphs (`qic serve BUNDLE --weights NAME=OTHER_BUNDLE ...`).
+"""Several weight sets behind one set of graphs (`qic serve BUNDLE --weights NAME=OTHER_BUNDLE_OR_DIR ...`).
 
 qic's graphs take their weights as inputs, so another bundle of the same architecture (Qwen-Image-2512 beside
 Qwen-Image, a LoRA-merged build, a Lightning set) runs through the same compiled graphs: each named set is the
@@ -6,45 +6,74 @@ bundle loaded as `qic run --weights OTHER_BUNDLE` loads it (verified, each tenso
 against the graphs' inputs: a set that does not fit is one line at start). A request's `model` field picks one;
 `/v1/models` lists them. The bundle's own set stays mapped; the named ones are mapped on first use and, past
 `--weights-budget`, the least recently used is unmapped (its memory returns to the OS as its mappings close).
+A checkpoint folder is first cut into a weight set for the bundle's graphs (`qic build --weights-for`, in a process
+of its own: the server imports no compiler code) under the cache directory; a later start finds it in place.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import re
+import os
+import subprocess
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from qic.errors import ConfigError
-from qic.manifest import read_manifest
+from qic.errors import BundleError, ConfigError
+from qic.manifest import MANIFEST, read_manifest
+from qic.serve.settings import named_values
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 log = logging.getLogger("qic.serve")
 
 
 def parse_weights(values, own: str = "") -> tuple[str | None, dict[str, str]]:
     """`--weights` values: (the one unnamed BUNDLE, whose weights replace the served bundle's own as `qic run
-    --weights` does, or None; {name: bundle} of the NAME=BUNDLE ones, each another model served beside it). `own`:
-    the served bundle's model name, which no set may take."""
-    unnamed, named = [], {}
-    for value in values or ():
-        name, sep, path = value.partition("=")
-        if not sep or not NAME.fullmatch(name):
-            unnamed.append(value)
-            continue
-        if name in named:
-            raise ConfigError(f"--weights {value}: the name {name!r} is given twice")
-        if name == own:
-            raise ConfigError(f"--weights {value}: {name!r} is the served bundle's own model name",
-                              "give the set another name")
-        if not path:
-            raise ConfigError(f"--weights {value}: no bundle after {name}=")
-        named[name] = path
+    --weights` does, or None; {name: bundle or checkpoint folder} of the NAME=... ones, each another model served
+    beside it). `own`: the served bundle's model name, which no set may take."""
+    unnamed, named = named_values(values, "--weights", "bundle", own)
     if len(unnamed) > 1:
         raise ConfigError(f"--weights: one bundle replaces the served weights, {len(unnamed)} given ({unnamed[0]}, "
                           f"{unnamed[1]})", "name the others: --weights NAME=BUNDLE serves each as a model of its own")
     return (unnamed[0] if unnamed else None), named
+
+
+def as_weight_sets(named: dict[str, str], bundle: str, cache_dir: str) -> dict[str, str]:
+    """`named` with each checkpoint folder (a model_index.json, no manifest) replaced by the weight set cut from it
+    for `bundle`'s graphs under `cache_dir`/weight-sets, made now where it is not in place already."""
+    out = {}
+    for name, path in named.items():
+        where = Path(path)
+        if (where / MANIFEST).is_file() or not (where / "model_index.json").is_file():
+            if not (where / MANIFEST).is_file():
+                raise ConfigError(f"--weights {name}={path}: neither a qic bundle ({MANIFEST}) nor a checkpoint "
+                                  "folder (model_index.json)")
+            out[name] = path
+            continue
+        key = hashlib.sha256(f"{read_manifest(Path(bundle))['id']}\0{os.path.realpath(where)}".encode())
+        made = Path(cache_dir) / "weight-sets" / f"{name}-{key.hexdigest()[:16]}"
+        before = _set_id(made)
+        proc = subprocess.run([sys.executable, "-m", "qic.cli", "build", "--weights-for", str(bundle), "--model",
+                               str(path), "--output", str(made), "--cache-dir", str(cache_dir)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            lines = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
+            said = next((line for line in lines if line.startswith("error:")), lines[-1])
+            fix = next((line.strip() for line in lines if line.strip().startswith("fix:")), "")
+            raise ConfigError(f"--weights {name}={path}: {said.removeprefix('error: ')}", fix.removeprefix("fix: "))
+        # stderr, as the server's log lines (its logging is set up later, in the ranks)
+        print(f"weight set {name}: checkpoint {path} " + ("already cut" if _set_id(made) == before else "cut")
+              + f" for {bundle}'s graphs: {made}", file=sys.stderr, flush=True)
+        out[name] = str(made)
+    return out
+
+
+def _set_id(path: Path) -> str | None:
+    try:
+        return read_manifest(path)["id"]
+    except BundleError:
+        return None
 
 
 def weight_bytes(path: Path) -> int:
