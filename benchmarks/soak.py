@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {key} | {count} |")
     print(f"| valid images checked byte-equal to qic run's | {soak.checked} |")
     print(f"| of them streamed, with partial images received | {soak.streamed} ({soak.partials}) |")
-    mapped = (args.dir / "soak-serve.log").read_text().count("\nmapped weight set")
+    mapped = len(re.findall(r"^mapped weight set", (args.dir / "soak-serve.log").read_text(), re.M))   # line starts
     print(f"| named weight sets mapped (start and on demand) | {mapped} |")
     uses = dict(re.findall(r'qic_lora_adapter_uses_total\{cache="(\w+)"\} ([\d.e+]+)', metrics))
     if adapters:
