@@ -105,7 +105,7 @@ def build(spec: BuildSpec, progress=None, on_plan=None, compile_jobs: int | None
     t = time.perf_counter()
     written = write_bundle(ctx, spec, backend, digest, shards, artifacts, build_key)
     report.up_to_date = not written
-    report.rows.append(Row("bundle", str(ctx.output), not written, _tree_bytes(ctx.output), time.perf_counter() - t))
+    report.rows.append(Row("bundle", str(ctx.output), not written, tree_bytes(ctx.output), time.perf_counter() - t))
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -145,7 +145,7 @@ def _build_key(spec, digest, tokenizer, shards, artifacts) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 

@@ -23,7 +23,7 @@ from qic import __version__, family
 from qic.builder.bundle import write_output
 from qic.builder.components import expected_tensors
 from qic.builder.context import Context, looped, tp_of
-from qic.builder.pipeline import BuildReport, Row, stage_progress
+from qic.builder.pipeline import BuildReport, Row, stage_progress, tree_bytes
 from qic.builder.shard import shard_component
 from qic.builder.source import load_spec_by_family
 from qic.checkpoint.safetensors_file import read_header
@@ -50,15 +50,18 @@ def build_weight_set(bundle: str | Path, model: str, output: str | Path, cache_d
     digest = ctx.ckpt.digest(full=full_hash)
     shards = {}
     for name in files:   # the components with graphs (their weights); a bundle's tokenizer and host fields stay its
-        comp = family.component(name)
-        # Before any conversion (a real checkpoint's is tens of GB): one rank's module at this checkpoint's config
-        # against the bundle's first weight file, shape by shape (raises naming head counts where TP cannot cut).
-        _check_shapes(expected_tensors(comp, ctx.configs[name], tp_of(name, spec.tp), looped=looped(spec, name)),
-                      bundle, files[name][0], name, model)
+        comp, tp, stacked = family.component(name), tp_of(name, spec.tp), looped(spec, name)
+        theirs_at = [read_header(bundle / f).tensors for f in files[name]]   # per rank (one: replicated)
+        # Before any conversion (a real checkpoint's is tens of GB): one rank's module at this checkpoint's config,
+        # shape by shape (raises naming head counts where TP cannot cut); names and dtypes once converted.
+        expected = {k: (shape, None) for k, shape in expected_tensors(comp, ctx.configs[name], tp, stacked).items()}
+        _check_fits(expected, theirs_at[0], name, model, bundle, names=False)
         t = time.perf_counter()
-        res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp_of(name, spec.tp), spec.dtype_of(name),
-                              ctx.cache, stage_progress(progress, "shard", name), looped=looped(spec, name))
-        _check_fits(res.files, bundle, files[name], name, model)
+        res = shard_component(ctx.ckpt, comp, ctx.configs[name], digest, tp, spec.dtype_of(name), ctx.cache,
+                              stage_progress(progress, "shard", name), looped=stacked)
+        for rank, path in enumerate(res.files):
+            ours = {k: (i.shape, i.dtype) for k, i in read_header(path).tensors.items()}
+            _check_fits(ours, theirs_at[rank if len(theirs_at) > 1 else 0], name, model, bundle)
         shards[name] = res
         report.rows.append(Row("shard", name, res.cached, res.bytes, time.perf_counter() - t))
     key = hashlib.sha256(json.dumps({"for": theirs["id"], "checkpoint": digest, "qic": __version__,
@@ -67,35 +70,26 @@ def build_weight_set(bundle: str | Path, model: str, output: str | Path, cache_d
     t = time.perf_counter()
     written = _write(ctx, theirs, digest, shards, files, key.hexdigest())
     report.up_to_date = not written
-    size = sum(p.stat().st_size for p in ctx.output.rglob("*") if p.is_file())
-    report.rows.append(Row("weights", str(ctx.output), not written, size, time.perf_counter() - t))
+    report.rows.append(Row("weights", str(ctx.output), not written, tree_bytes(ctx.output), time.perf_counter() - t))
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _check_shapes(expected: dict, bundle: Path, theirs: str, component: str, model: str) -> None:
-    """The names both hold have the same shapes (names alone are checked after conversion: _check_fits)."""
-    for name, info in read_header(bundle / theirs).tensors.items():
-        if name in expected and tuple(expected[name]) != tuple(info.shape):
-            raise ConfigError(f"--model {model}: {component} tensor {name} is {list(expected[name])} there, {bundle}'s "
-                              f"graphs take {list(info.shape)}", "a checkpoint of the bundle's architecture")
-
-
-def _check_fits(ours: tuple[Path, ...], bundle: Path, theirs: list[str], component: str, model: str) -> None:
-    """Every rank's tensors are the bundle's: the same names, shapes and dtypes (what its graphs take)."""
-    for rank, path in enumerate(ours):
-        mine = read_header(path).tensors
-        want = read_header(bundle / theirs[rank if len(theirs) > 1 else 0]).tensors
-        for name, info in want.items():
-            got = mine.get(name)
-            if got is None or got.shape != info.shape or got.dtype != info.dtype:
-                has = "missing" if got is None else f"{list(got.shape)} {got.dtype}"
-                raise ConfigError(f"--model {model}: {component} tensor {name} is {has} there, {bundle}'s graphs take "
-                                  f"{list(info.shape)} {info.dtype}", "a checkpoint of the bundle's architecture")
-        extra = sorted(set(mine) - set(want))
-        if extra:
-            raise ConfigError(f"--model {model}: {component} tensor {extra[0]} is not an input of {bundle}'s graphs",
-                              "a checkpoint of the bundle's architecture")
+def _check_fits(ours: dict, theirs: dict, component: str, model: str, bundle: Path, names: bool = True) -> None:
+    """`ours` ({name: (shape, dtype or None: not known yet)}) against one rank's weight file of the bundle (what its
+    graphs take): the same shapes and dtypes, and with `names` the same tensors."""
+    for name, info in theirs.items():
+        got = ours.get(name)
+        if got is None and not names:
+            continue
+        if got is None or tuple(got[0]) != tuple(info.shape) or got[1] not in (None, info.dtype):
+            has = "missing" if got is None else f"{list(got[0])}" + (f" {got[1]}" if got[1] else "")
+            raise ConfigError(f"--model {model}: {component} tensor {name} is {has} there, {bundle}'s graphs take "
+                              f"{list(info.shape)} {info.dtype}", "a checkpoint of the bundle's architecture")
+    extra = sorted(set(ours) - set(theirs)) if names else []
+    if extra:
+        raise ConfigError(f"--model {model}: {component} tensor {extra[0]} is not an input of {bundle}'s graphs",
+                          "a checkpoint of the bundle's architecture")
 
 
 def _write(ctx, theirs: dict, digest: str, shards: dict, files: dict, build_key: str) -> bool:

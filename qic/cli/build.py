@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -19,19 +21,7 @@ def run_build(config, overrides, jobs: int | None = None) -> None:
         checked_jobs(jobs, f"--jobs {jobs}")
     spec = load_spec_by_family(config, overrides)
     console = wide_console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        tasks = {}
-
-        def progress(stage, item, nbytes):
-            key = (stage, item)
-            if key not in tasks:
-                for t in tasks.values():
-                    bar.update(t, completed=1, total=1)
-                tasks[key] = bar.add_task(f"{stage:8} {item}", total=None)
-            elif nbytes:
-                bar.advance(tasks[key], nbytes)
-
+    with _progress_bars(console) as progress:
         report = build(spec, progress, on_plan=lambda plan: _print_plan(plan, spec, jobs), compile_jobs=jobs)
     _print_report(report, console, "bundle")
 
@@ -55,19 +45,29 @@ def run_weight_set(bundle: str, config, overrides: dict, jobs: int | None) -> No
             raise ConfigError(f"--weights-for {bundle}: --{flag} is needed (the checkpoint to convert, and where "
                               "the weight set goes)")
     console = wide_console(stderr=True)
+    with _progress_bars(console) as progress:
+        report = build_weight_set(bundle, overrides["model"], overrides["output"],
+                                  overrides.get("cache_dir") or "artifacts/cache", progress=progress)
+    _print_report(report, console, "weight set")
+
+
+@contextlib.contextmanager
+def _progress_bars(console):
+    """progress(stage, item, nbytes), as the build stages call it: a bar per (stage, item), the earlier ones marked
+    done when a new one starts, shown on `console` while the block runs."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         tasks = {}
 
         def progress(stage, item, nbytes):
-            if (stage, item) not in tasks:
-                tasks[stage, item] = bar.add_task(f"{stage:8} {item}", total=None)
+            key = (stage, item)
+            if key not in tasks:
+                for t in tasks.values():
+                    bar.update(t, completed=1, total=1)
+                tasks[key] = bar.add_task(f"{stage:8} {item}", total=None)
             elif nbytes:
-                bar.advance(tasks[stage, item], nbytes)
-
-        report = build_weight_set(bundle, overrides["model"], overrides["output"],
-                                  overrides.get("cache_dir") or "artifacts/cache", progress=progress)
-    _print_report(report, console, "weight set")
+                bar.advance(tasks[key], nbytes)
+        yield progress
 
 
 def _print_report(report, console, what: str) -> None:

@@ -57,10 +57,7 @@ def run_inspect(bundle: str, full: bool = False) -> None:
         table.add_row(g["name"], ins, f"{g['bytes'] / 1e6:.2f} MB", manifest["files"][g["file"]]["sha256"][:12],
                       *(show(g) for show in columns.values()))
     out.print(table)
-    trusted = verify_files(path, manifest, cache=VerificationCache(), full=full)
-    note = (f" ({trusted} unchanged weight file(s) by their recorded hash; --verify re-hashes them)"
-            if trusted else " (every file hashed)")
-    out.print(f"verified {len(manifest['files'])} files: all hashes match{note}")
+    _print_verified(path, manifest, out, full)
     try:
         check_compatible(manifest, __version__, torch.__version__)
         out.print("compatible with this qic and torch")
@@ -74,7 +71,13 @@ def _inspect_weight_set(path: Path, manifest: dict, out: Console, full: bool) ->
     out.print(f"model {manifest['model']['id']}  digest {manifest['model']['digest'][:16]}")
     out.print(f"built with qic {manifest['versions']['qic']}, torch {manifest['versions']['torch']}; tp "
               f"{manifest['tp']}; dtypes {manifest['dtypes']}; components {', '.join(manifest['components'])}")
-    trusted = verify_files(path, manifest, cache=VerificationCache(), full=full)
-    out.print(f"verified {len(manifest['files'])} files: all hashes match"
-              + (f" ({trusted} unchanged by their recorded hash)" if trusted else ""))
+    _print_verified(path, manifest, out, full)
     out.print(f"runs as: qic run BUNDLE --weights {path}")
+
+
+def _print_verified(path: Path, manifest: dict, out: Console, full: bool) -> None:
+    """Every file checked against its hash record (a refusal raises, naming the file)."""
+    trusted = verify_files(path, manifest, cache=VerificationCache(), full=full)
+    note = (f" ({trusted} unchanged weight file(s) by their recorded hash; --verify re-hashes them)"
+            if trusted else " (every file hashed)")
+    out.print(f"verified {len(manifest['files'])} files: all hashes match{note}")

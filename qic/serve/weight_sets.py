@@ -45,13 +45,13 @@ def as_weight_sets(named: dict[str, str], bundle: str, cache_dir: str) -> dict[s
     out = {}
     for name, path in named.items():
         where = Path(path)
-        if (where / MANIFEST).is_file() or not (where / "model_index.json").is_file():
-            if not (where / MANIFEST).is_file():
-                raise ConfigError(f"--weights {name}={path}: neither a qic bundle ({MANIFEST}) nor a checkpoint "
-                                  "folder (model_index.json)")
+        if (where / MANIFEST).is_file():
             out[name] = path
             continue
-        key = hashlib.sha256(f"{read_manifest(Path(bundle))['id']}\0{os.path.realpath(where)}".encode())
+        if not (where / "model_index.json").is_file():
+            raise ConfigError(f"--weights {name}={path}: neither a qic bundle ({MANIFEST}) nor a checkpoint folder "
+                              "(model_index.json)")
+        key = hashlib.sha256(f"{_set_id(Path(bundle))}\0{os.path.realpath(where)}".encode())
         made = Path(cache_dir) / "weight-sets" / f"{name}-{key.hexdigest()[:16]}"
         before = _set_id(made)
         proc = subprocess.run([sys.executable, "-m", "qic.cli", "build", "--weights-for", str(bundle), "--model",
@@ -70,6 +70,7 @@ def as_weight_sets(named: dict[str, str], bundle: str, cache_dir: str) -> dict[s
 
 
 def _set_id(path: Path) -> str | None:
+    """The id of the bundle or weight set at `path`; None where there is none (yet)."""
     try:
         return read_manifest(path)["id"]
     except BundleError:
