@@ -78,3 +78,18 @@ def _refused(proc, says: str) -> None:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1 and says in errors[0] and "Traceback" not in proc.stderr, \
         proc.stderr
+
+
+def test_a_weight_set_for_a_tp2_bundle_is_cut_per_rank(bundle_tp2, cache_dir, seed1_ckpt, tmp_path):
+    """At TP 2 the set holds one file per rank of each cut component, cut as the bundle's were: qic run --tp 2 over it
+    draws a full TP 2 build of the same checkpoint's pixels (its graphs from the compile cache)."""
+    qic("build", "--weights-for", bundle_tp2, "--model", seed1_ckpt, "--output", tmp_path / "set",
+        "--cache-dir", cache_dir)
+    manifest = json.loads((tmp_path / "set" / "manifest.json").read_text())
+    denoiser = next(g["weights"] for g in manifest["graphs"] if g["component"] == "denoiser")
+    assert manifest["tp"] == 2 and len(denoiser) == 2
+    qic("build", "--model", seed1_ckpt, "--cache-dir", cache_dir, "--tp", "2", "--resolution",
+        "{}x{}".format(*TINY_RES), "--text-buckets", "72,", "--output", tmp_path / "full")
+    through_set = _run(bundle_tp2, tmp_path / "set.png", "--tp", "2", "--weights", tmp_path / "set")
+    assert np.array_equal(through_set, _run(tmp_path / "full", tmp_path / "full.png", "--tp", "2"))
+    assert np.abs(through_set - _run(bundle_tp2, tmp_path / "own.png", "--tp", "2")).max() > 8
