@@ -125,6 +125,29 @@ def test_generate_batch_refuses_incompatible_requests(loaded):
         generate_batch(loaded, [Request("a cat", steps=2), Request("a cat", steps=3)])
 
 
+def test_a_weight_set_batches_as_the_bundles_own_weights(loaded, bundle_batch2, cache_dir, tmp_path):
+    """A checkpoint folder cut for the batched bundle (qic build --weights-for), mapped over its loaded code as qic
+    serve maps a named set: a batch of two requests over the set equals each run alone over it, and neither is the
+    bundle's own image."""
+    from qic.checkpoint.embedded import write_checkpoint
+    from qic.runtime.bundle import Bundle
+    from qic.runtime.generate import Request, generate, generate_batch
+    ckpt = write_checkpoint(tmp_path / "ckpt", "tiny", seed=1)
+    qic("build", "--weights-for", bundle_batch2, "--model", ckpt, "--output", tmp_path / "set",
+        "--cache-dir", cache_dir)
+    mapped = Bundle(bundle_batch2, weights_from=tmp_path / "set", code_from=loaded)
+
+    def pair():
+        return [Request("a red bicycle", seed=1, steps=2, guidance=3.0),
+                Request("a dog on the grass", seed=4, steps=2, guidance=5.0)]
+
+    batched, own = generate_batch(mapped, pair()), generate_batch(loaded, pair())
+    for got, want, theirs in zip(batched, [generate(mapped, r) for r in pair()], own):
+        worst, mean = image_diff(got.image, want.image)
+        assert worst <= LEVEL and mean <= MEAN, (worst, mean)
+        assert image_diff(got.image, theirs.image)[0] > 10 * LEVEL   # the set's weights ran, not the bundle's
+
+
 def test_server_batches_two_concurrent_requests_like_qic_run(bundle_batch2, tmp_path):
     from qic.serve.client import request
     size = "{1}x{0}".format(*TINY_RES)

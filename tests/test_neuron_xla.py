@@ -102,6 +102,29 @@ def test_image_through_lowered_graphs_matches_inductor_bundle(neuron_bundle, bun
     _draws_like_inductor(neuron_bundle[0], bundle, workdir, "tp1")
 
 
+def test_a_weight_set_runs_on_the_lowered_graphs(neuron_bundle, bundle, workdir, tmp_path):
+    """qic build --weights-for a neuron bundle (a checkpoint of the same architecture, other weights) and qic run
+    --device xla-cpu --weights SET: the neuron back end takes its weights at load (no rebind), so the lowered graphs
+    load over the set's; the image is the inductor bundle's over a set cut from the same checkpoint (the bound of
+    _draws_like_inductor), and not the neuron bundle's own."""
+    from qic.checkpoint.embedded import write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", "tiny", seed=1)
+    common = ["--prompt", SHORT_PROMPT, "--steps", "4", "--seed", "3"]
+    xla_qic("build", "--weights-for", neuron_bundle[0], "--model", ckpt, "--output", tmp_path / "set-neuron",
+            "--cache-dir", tmp_path / "cache-xla")   # its own torch: its own shard cache
+    xla_qic("run", neuron_bundle[0], "--device", "xla-cpu", "--weights", tmp_path / "set-neuron", *common,
+            "--output", tmp_path / "xla.png")
+    qic("build", "--weights-for", bundle, "--model", ckpt, "--output", tmp_path / "set", "--cache-dir",
+        tmp_path / "cache")
+    qic("run", bundle, "--weights", tmp_path / "set", *common, "--output", tmp_path / "inductor.png")
+    xla_png = Image.open(tmp_path / "xla.png")
+    worst, mean = image_diff(xla_png, Image.open(tmp_path / "inductor.png"))
+    print(f"weight set: xla-cpu vs inductor: max {worst:.0f}/255, mean {mean:.5f} levels")
+    assert worst <= MAX_PIXEL and mean <= MEAN_PIXEL, (worst, mean)
+    xla_qic("run", neuron_bundle[0], "--device", "xla-cpu", *common, "--output", tmp_path / "own.png")
+    assert image_diff(xla_png, Image.open(tmp_path / "own.png"))[0] > 20   # the set's weights ran
+
+
 _INDUCTOR_PNGS: dict = {}   # (inductor bundle, seed) -> its `qic run` PNG, drawn once a module
 
 

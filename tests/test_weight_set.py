@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from qic.checkpoint.embedded import write_checkpoint
+from qic.runtime.bundle import Bundle
 from tests.conftest import BUCKETS, TINY_RES, qic
 
 pytestmark = pytest.mark.slow   # builds and runs bundles through the CLI
@@ -61,6 +62,11 @@ def test_a_weight_set_runs_the_bundles_graphs_as_a_full_build_of_its_checkpoint(
     _refused(qic("run", tmp_path / "set", "--prompt", "x", check=False), not_a_bundle)
     _refused(qic("build", "--weights-for", tmp_path / "set", "--model", seed1_ckpt, "--output", tmp_path / "s2",
                  check=False), not_a_bundle)
+    # As qic serve maps a set (over the loaded bundle's code): the bundle's own tokenizer, not one loaded per map
+    # (tokenizers keeps each loaded BPE model's word cache for good: a server mapping sets all day grew by it).
+    primary = Bundle(bundle)
+    assert Bundle(bundle, weights_from=tmp_path / "set", code_from=primary).tokenizer is primary.tokenizer
+    assert Bundle(bundle, weights_from=tmp_path / "set").tokenizer is not primary.tokenizer
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -93,3 +99,23 @@ def test_a_weight_set_for_a_tp2_bundle_is_cut_per_rank(bundle_tp2, cache_dir, se
     through_set = _run(bundle_tp2, tmp_path / "set.png", "--tp", "2", "--weights", tmp_path / "set")
     assert np.array_equal(through_set, _run(tmp_path / "full", tmp_path / "full.png", "--tp", "2"))
     assert np.abs(through_set - _run(bundle_tp2, tmp_path / "own.png", "--tp", "2")).max() > 8
+
+
+@pytest.mark.parametrize("layout", [("--cfg-parallel",), ("--ulysses", "2")], ids=["cfg-parallel", "ulysses2"])
+def test_a_weight_set_for_cfg_parallel_and_ulysses_bundles(tiny_ckpt, cache_dir, seed1_ckpt, tmp_path, layout):
+    """Two ranks an image (each CFG branch, or each half of the sequence, on a rank of its own) run replicated
+    weights: the set is cut as the bundle's were (one file a component), and qic run over it draws a full build of
+    the same checkpoint with that layout's pixels. Export back end: torch runs the exported programs, nothing is
+    compiled."""
+    def build(ckpt, out):
+        qic("build", "--model", ckpt, "--cache-dir", cache_dir, "--backend", "export", *layout, "--resolution",
+            "{}x{}".format(*TINY_RES), "--text-buckets", "72,", "--output", out)
+        return out
+    bundle = build(tiny_ckpt, tmp_path / "bundle")
+    qic("build", "--weights-for", bundle, "--model", seed1_ckpt, "--output", tmp_path / "set", "--cache-dir", cache_dir)
+    manifest = json.loads((tmp_path / "set" / "manifest.json").read_text())
+    assert all(len(g["weights"]) == 1 for g in manifest["graphs"]), manifest["graphs"]
+    through_set = _run(bundle, tmp_path / "set.png", "--weights", tmp_path / "set")
+    full = build(seed1_ckpt, tmp_path / "full")
+    assert np.array_equal(through_set, _run(full, tmp_path / "full.png"))
+    assert np.abs(through_set - _run(bundle, tmp_path / "own.png")).max() > 8

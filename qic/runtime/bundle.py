@@ -85,7 +85,14 @@ class Bundle:
         self.weights_id = other[1]["id"] if other else None    # the bundle whose weights run, if not this one
         # What a family's host program reads beside the graphs (qic.runtime.programs: the manifest's family
         # names it); a family that has no tokenizer, resolutions or scheduler records none.
-        self.tokenizer = load_tokenizer(self.path / m["tokenizer"]) if m.get("tokenizer") else None
+        self.tokenizer = None
+        if code_from is not None and code_from.id == m["id"]:
+            # The same bundle's tokenizer object, not a new one: besides the load, `tokenizers` keeps each BPE
+            # model's word cache in a thread-local table that outlives the model (0.23: ~2-6 KB per tokenizer
+            # loaded and used), so a server mapping weight sets all day must not load one per map.
+            self.tokenizer = code_from.tokenizer
+        elif m.get("tokenizer"):
+            self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
         self.resolutions = [tuple(r) for r in m.get("resolutions", [])]
         self.buckets = list(m.get("text_buckets", []))
         self.latents = m.get("latents")
