@@ -23,7 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from qic.errors import ConfigError
-from qic.models.common import GatherLinear, Linear, RMSNorm, RowLinear, apply_rope, check_config_keys, require_value
+from qic.models.common import (
+    GatherLinear,
+    Linear,
+    RMSNorm,
+    RowLinear,
+    apply_rope,
+    check_config_keys,
+    heads_first,
+    require_value,
+)
 from qic.models.looped import StackedLayers, template_layer
 from qic.models.qwen_image.host.rope import grid_tables
 from qic.models.qwen_image.host.rope import position_tables as host_position_tables
@@ -203,8 +212,7 @@ class JointAttention(nn.Module):
         if self.exchange is not None:
             q, k, v = self.exchange.to_heads(q, k, v)
         # attn_mask None is the fast path: plain SDPA, no mask tensor in the graph at all.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=attn_mask).transpose(1, 2)
+        out = F.scaled_dot_product_attention(*heads_first(q, k, v), attn_mask=attn_mask).transpose(1, 2)
         if self.exchange is not None:
             out = self.exchange.to_tokens(out)
         out = out.flatten(2).to(q.dtype)
@@ -225,8 +233,7 @@ class JointAttention(nn.Module):
             q = apply_rope(torch.cat([qt[:, rows], qi[b:b + 1]], 1), cos, sin)
             k = apply_rope(torch.cat([kt[:, rows], ki[b:b + 1]], 1), cos, sin)
             v = torch.cat([vt[:, rows], vi[b:b + 1]], 1)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                                                 ).transpose(1, 2).flatten(2).to(q.dtype)
+            out = F.scaled_dot_product_attention(*heads_first(q, k, v)).transpose(1, 2).flatten(2).to(q.dtype)
             n_txt = out.shape[1] - n_img
             texts.append(out[:, :n_txt])
             images.append(out[:, n_txt:])

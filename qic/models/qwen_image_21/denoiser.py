@@ -36,7 +36,7 @@ from torch import nn
 
 from qic.errors import ConfigError
 from qic.family import COLUMN, ROW, TPPlan
-from qic.models.common import RMSNorm, RowLinear, apply_rope, check_config_keys, require_value
+from qic.models.common import RMSNorm, RowLinear, apply_rope, check_config_keys, heads_first, require_value
 
 COMPONENT = "transformer"
 TIME_PROJ_DIM = 256      # diffusers' QwenImage21TimestepProjEmbeddings: a fixed 256-wide sinusoid
@@ -206,7 +206,7 @@ class Attention(nn.Module):
 
         q = apply_rope(self.norm_q(heads(self.to_q(x))), cos, sin)
         k = apply_rope(self.norm_k(heads(self.to_k(x))), cos, sin)
-        return q.transpose(1, 2), k.transpose(1, 2), heads(self.to_v(x)).transpose(1, 2)
+        return heads_first(q, k, heads(self.to_v(x)))
 
     def attend(self, q, k, v, bias):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
