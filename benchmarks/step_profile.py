@@ -1,7 +1,8 @@
 """Where a compiled denoise step's time goes at the real width: matmuls, attention, and the rest.
 
     python -m benchmarks.step_profile [--size 512] [--bucket 128] [--depth 1] [--runs 3]
-    python -m benchmarks.step_profile --smoke   # the embedded tiny model's widths, 32x32, 1 run
+    python -m benchmarks.step_profile --size 1024 --bucket 0 --depth 2 --against diffusers --dtype bfloat16
+    python -m benchmarks.step_profile --smoke   # the embedded tiny model's widths, 32x32, 1 run, against diffusers
 
 Builds the step graph qic compiles (qic.builder.jobs.make_graph: CFG batch 2, text padded to the
 bucket, random weights of the real widths from tests/fixtures/qwen-image-configs, depth cut), compiles it
@@ -220,7 +221,7 @@ def report(res: dict, rate: float) -> str:
              f"step, median of {len(b['walls'])} alternating runs: {bn} {b['step_s']:.3f} s, {an} "
              f"{a['step_s']:.3f} s ({b['step_s'] / a['step_s']:.3f}x); vs eager rel-L2 {b['rel_l2']:.1e} / "
              f"{a['rel_l2']:.1e}, max-abs {b['max_abs']:.1e} / {a['max_abs']:.1e}", "",
-             f"| part | {bn}: s / step | share | {an}: s / step | share | GFLOP | {an}: GFLOP/s | / matmul rate |",
+             f"| part | {bn}: s / step | share | {an}: s / step | share | GFLOP | {an}: GFLOP/s | / fp32 matmul rate |",
              "|---|--:|--:|--:|--:|--:|--:|--:|"]
     total_b, total_a = sum(b["seconds"].values()), sum(a["seconds"].values())
     for cat in ("matmul", "attention", "fused", "other"):
@@ -249,7 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--against", choices=("inductor", "diffusers"), default="inductor",
                     help="before: the same graph without qic's pass (inductor) or diffusers' step (diffusers)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    args = parse_args(ap, argv, {"size": 32, "depth": 1, "runs": 1, "tiny": True})
+    # the smoke: the tiny widths, qic's graph against diffusers' step (the path with the most of its own code)
+    args = parse_args(ap, argv, {"size": 32, "depth": 1, "runs": 1, "tiny": True, "against": "diffusers", "bucket": 0})
+    if args.against == "diffusers" and args.bucket != 0:
+        ap.error("--against diffusers compares the work diffusers does: qic's packed-CFG graph, --bucket 0 "
+                 f"(--bucket {args.bucket} pads both branches' text to {args.bucket} rows)")
     rate = matmul_rate(args.smoke)
     res = profile(args.size, args.bucket, args.depth, args.runs, args.tiny, both=not args.smoke,
                   against=args.against, dtype=args.dtype)

@@ -136,6 +136,7 @@ def test_a_weight_set_batches_as_the_bundles_own_weights(loaded, bundle_batch2, 
     qic("build", "--weights-for", bundle_batch2, "--model", ckpt, "--output", tmp_path / "set",
         "--cache-dir", cache_dir)
     mapped = Bundle(bundle_batch2, weights_from=tmp_path / "set", code_from=loaded)
+    assert mapped.tokenizer is loaded.tokenizer   # mapped over the loaded bundle, not loaded again
 
     def pair():
         return [Request("a red bicycle", seed=1, steps=2, guidance=3.0),

@@ -194,7 +194,7 @@ def heads_first(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     each laid out contiguously rather than as the transposed view: CPU's flash-attention kernel reads a head's rows
     in blocks, and over the view (rows H * D apart) it took 1.22x the time in bf16 and 1.12x in fp32 at 4129 tokens,
     24 heads of 128, for the same result bit for bit (docs/benchmarks.md, "Step speed at real width"). In a compiled
-    graph the layout is written by the kernel that makes q and k (RoPE), so it costs no pass of its own."""
+    graph the kernel that makes q and k (RoPE) writes them in that layout; a v straight from a matmul is one copy."""
     return tuple(x.transpose(1, 2).contiguous() for x in xs)
 
 
