@@ -73,6 +73,9 @@ def tiny_configs(depth: int) -> dict:
     return configs
 
 
+TEXT_LENGTHS = (33, 20)   # the cond and uncond prompts' tokens (benchmarks.realwidth's short prompt and " ")
+
+
 def _configs(depth: int, tiny: bool) -> dict:
     return tiny_configs(depth) if tiny else reduced_configs(CONFIGS, depth)
 
@@ -95,19 +98,16 @@ def step_module(size: int, bucket: int, depth: int, tiny: bool = False, dtype: s
     # exact length (bucket 0: packed CFG) the two branches' text at those lengths
     names = [n for n, _ in gdef.inputs]
     if "negative_embeds" in names:
-        for name, n in (("text_embeds", 33), ("negative_embeds", 20)):
+        for name, n in zip(("text_embeds", "negative_embeds"), TEXT_LENGTHS):
             t = inputs[names.index(name)]
-            inputs[names.index(name)] = torch.randn(1, n, t.shape[2], dtype=t.dtype)   # TEXT_LENGTHS
+            inputs[names.index(name)] = torch.randn(1, n, t.shape[2], dtype=t.dtype)
     else:
         text_mask = torch.zeros_like(dict(gdef.inputs)["text_mask"])
-        text_mask[0, :33] = 1
-        text_mask[1, :20] = 1
+        for row, n in enumerate(TEXT_LENGTHS):
+            text_mask[row, :n] = 1
         inputs[names.index("text_mask")] = text_mask
     inputs[names.index("timestep")] = torch.tensor(500.0)
     return gdef.module.eval(), inputs
-
-
-TEXT_LENGTHS = (33, 20)   # the cond and uncond prompts' tokens (benchmarks.realwidth's short prompt and " ")
 
 
 def diffusers_step(size: int, depth: int, tiny: bool, dtype: str):

@@ -85,12 +85,13 @@ class Bundle:
         self.weights_id = other[1]["id"] if other else None    # the bundle whose weights run, if not this one
         # What a family's host program reads beside the graphs (qic.runtime.programs: the manifest's family
         # names it); a family that has no tokenizer, resolutions or scheduler records none.
+        same = code_from if code_from is not None and code_from.id == m["id"] else None   # loaded: its code, tokenizer
         self.tokenizer = None
-        if code_from is not None and code_from.id == m["id"]:
+        if same is not None:
             # The same bundle's tokenizer object, not a new one: besides the load, `tokenizers` keeps each BPE
             # model's word cache in a thread-local table that outlives the model (0.23: ~2-6 KB per tokenizer
             # loaded and used), so a server mapping weight sets all day must not load one per map.
-            self.tokenizer = code_from.tokenizer
+            self.tokenizer = same.tokenizer
         elif m.get("tokenizer"):
             self.tokenizer = load_tokenizer(self.path / m["tokenizer"])
         self.resolutions = [tuple(r) for r in m.get("resolutions", [])]
@@ -122,7 +123,7 @@ class Bundle:
                 raise BundleError(f"{self.path}: graph {g['name']} needs tensors its weights lack: {missing[:3]}")
             weights = [constants[n] for n in g["weight_inputs"]]
             key = _key(g["component"], g["name"])
-            loaded = code_from.graphs.get(key) if code_from is not None and code_from.id == m["id"] else None
+            loaded = same.graphs.get(key) if same is not None else None
             if loaded is not None and loaded.rebind is not None:
                 run = loaded.rebind(weights)
             else:
