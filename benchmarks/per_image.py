@@ -80,6 +80,8 @@ def _timed(run_one, images: int, prompts: list[str]) -> dict:
 def qic_side(bundle: str, size: str, steps: int, images: int, prompts: list[str]) -> dict:
     from qic.runtime.bundle import Bundle
     from qic.runtime.generate import Request, generate
+    from qic.runtime.heap import keep_freed_blocks
+    keep_freed_blocks()   # as `qic run` does (this side's process is its own)
     model = Bundle(bundle)
     h, w = resolution(size)
 

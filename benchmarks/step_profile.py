@@ -44,12 +44,14 @@ ATTENTION = ("scaled_dot_product", "_flash_attention", "sdpa", "flash_attention"
 
 def category(name: str) -> str:
     low = name.lower()
+    # inductor's kernels first: a kernel is named after the ops its outputs feed, so the one that writes q, k, v
+    # (QK norm, RoPE, the layout) is "cpp_fused__scaled_dot_product_flash_attention_..." but is no attention
+    if "cpp_fused" in low or "kernel_cpp" in low or low.startswith("graph_"):
+        return "fused"
     if any(k in low for k in ATTENTION):
         return "attention"
     if any(k in low for k in MATMUL):
         return "matmul"
-    if "cpp_fused" in low or "kernel_cpp" in low or low.startswith("graph_"):
-        return "fused"
     return "other"
 
 

@@ -149,3 +149,11 @@ def test_benchmark_smoke_runs_and_prints_its_figures(name, smokes):
     if name == "realwidth":   # the plots go to the work directory, never into docs/img
         wrote = [line for line in lines if line.startswith("wrote ")]
         assert wrote and all(line.startswith(f"wrote {smokes.work / name}/") for line in wrote), out
+
+
+def test_step_profile_puts_inductors_kernels_apart_from_the_ops_they_feed():
+    # inductor names a kernel after the ops its outputs feed: the one writing q, k, v for SDPA is no attention
+    from benchmarks.step_profile import category
+    assert category("graph_3_cpp_fused__scaled_dot_product_flash_attention_for_cpu_add_addmm") == "fused"
+    assert category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert category("aten::mm") == "matmul" and category("aten::copy_") == "other"

@@ -13,6 +13,7 @@ from qic.host.options import BY_NAME, FLAG, LINE, given_at, untaken
 from qic.manifest import read_bundle
 from qic.parallel.ranks import init_from_env
 from qic.runtime.bundle import Bundle
+from qic.runtime.heap import keep_freed_blocks
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 from qic.runtime.png import save_png
 from qic.runtime.programs import program_of
@@ -33,6 +34,7 @@ def run_cli(bundle_path: str, options: dict) -> None:
     _refuse_untaken(program, base, None)
     for n, line in enumerate(lines, 1):
         _refuse_untaken(program, line, f"{options.get('prompts_file')}, prompt {n}")
+    keep_freed_blocks()   # before any rank is forked or anything loaded: every rank's steps reuse their buffers
     world = torchrun_world()
     if world is not None:  # launched by torchrun: this process is one rank
         if options.get("interactive"):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from qic.errors import ConfigError, QicError
 from qic.manifest import read_bundle
+from qic.runtime.heap import keep_freed_blocks
 from qic.runtime.launch import bundle_world, spawn_ranks, torchrun_world
 
 # Sent by the parent to the ranks still running when one fails; its default action ends the followers,
@@ -52,6 +53,7 @@ def run_serve(bundle_path: str, host: str, port: int, tp: int | None, settings, 
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if not settings.timeout > 0:
         raise ConfigError("--timeout must be a positive number of seconds")
+    keep_freed_blocks()   # before any rank is forked or anything loaded: every rank's steps reuse their buffers
     if ranks == 1:
         serve_rank(0, 1, bundle_path, host, port, settings, load, sets)
         return
