@@ -25,7 +25,10 @@ from pathlib import Path
 
 # Large blocks straight from mmap and freed back at once, and the heap trimmed: the resident set then
 # follows live tensors instead of what glibc keeps cached between the runs.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
+# M_MMAP_MAX at glibc's default: a parent that keeps freed blocks (qic.runtime.heap) passes on 0, which would turn the
+# threshold's mmaps off
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_MMAP_MAX_": "65536",
+                 "OMP_NUM_THREADS": "1"}
 
 
 def _status(key: str) -> int:

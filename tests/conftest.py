@@ -25,6 +25,10 @@ os.environ.setdefault("QIC_COMPILE_JOBS", "1")
 # server that imported torch once, not fresh interpreters that each import it again (qic.parallel.ranks.spawn;
 # `qic run` / `qic serve` fork their own ranks whatever this says).
 os.environ.setdefault("QIC_RANKS_START", "forkserver")
+# Tests run `qic run` in this process (click's CliRunner), where keep_freed_blocks would change malloc for the rest of
+# the session and set MALLOC_ variables every later process inherits (benchmarks.peak's measured peaks among them).
+# tests/test_heap.py tests it in processes of its own.
+os.environ.setdefault("QIC_KEEP_FREED_BLOCKS", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
