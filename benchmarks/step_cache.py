@@ -26,6 +26,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -159,7 +160,7 @@ def bench_model(model: str, args, work: Path) -> list[dict]:
         (base, base_s), cached = ours[steps]
         ref, ref_s = timed(pipe_call, pipe, prompt, steps, *res)
         rows.append({"model": model, "steps": steps, "setting": "uncached", "qic_s": base_s, "diffusers_s": ref_s,
-                     "qic_computed": [steps, steps], "diffusers_computed": [steps, steps],
+                     "qic_stages": stages(base), "qic_computed": [steps, steps], "diffusers_computed": [steps, steps],
                      "qic_psnr": math.inf, "diffusers_psnr": math.inf, "qic_vs_diffusers_psnr": psnr(base.image, ref)})
         for thr, r, q_s in cached:
             mask = static_mask(steps)
@@ -211,10 +212,23 @@ def row_key(r: dict) -> tuple:
     return r["model"], r["depth"], r["steps"]
 
 
+def stages(result) -> dict:
+    """Where qic's image went (seconds): the text encoder, the decoder, all steps, and the median step that computed
+    the middle blocks for some row (head + rest, or the whole-step graph uncached) and that cached it for every row
+    (head + tail). The steps' share against the uncached image's is what caching can change; the rest it cannot."""
+    t = result.timings
+    steps = [t[f"step{i}"] for i in range(sum(k.startswith("step") for k in t))]
+    computed = set().union(*result.computed) if result.computed else set(range(len(steps)))
+    cached = [s for i, s in enumerate(steps) if i not in computed]
+    return {"text": t.get("tokenize", 0.0) + t.get("encode", 0.0), "decode": t.get("decode", 0.0),
+            "steps": sum(steps), "computed_step": statistics.median([s for i, s in enumerate(steps) if i in computed]),
+            "cached_step": statistics.median(cached) if cached else None}
+
+
 def side_by_side(model, steps, setting, result, qic_s, image, computed, diffusers_s, base, ref) -> dict:
     """One row: qic's cached run (a Result) and the reference's (image, computed steps per branch)."""
     return {"model": model, "steps": steps, "setting": setting, "qic_s": qic_s, "diffusers_s": diffusers_s,
-            "qic_computed": [len(c) for c in result.computed],
+            "qic_stages": stages(result), "qic_computed": [len(c) for c in result.computed],
             "diffusers_computed": [len(computed["cond"]), len(computed["uncond"])],
             "same_steps": result.computed == [computed["cond"], computed["uncond"]],
             "qic_psnr": psnr(result.image, base.image), "diffusers_psnr": psnr(image, ref),
@@ -238,6 +252,23 @@ def table(rows: list[dict]) -> str:
                    f"{r['qic_s'] / r['diffusers_s']:.2f}x | {r['qic_computed'][0]}, {r['qic_computed'][1]} | "
                    f"{r['diffusers_computed'][0]}, {r['diffusers_computed'][1]} | {r.get('same_steps', '-')} | "
                    f"{_db(r['qic_psnr'])} | {_db(r['diffusers_psnr'])} | {_db(r['qic_vs_diffusers_psnr'])} |")
+    return "\n".join(out)
+
+
+def stages_table(rows: list[dict]) -> str:
+    """qic's rows split into what caching can change (the steps) and what it cannot (text encoder, decoder)."""
+    out = ["| model | blocks | steps | setting | qic s/image | / uncached | text enc. s | decoder s | steps s | "
+           "steps / uncached steps | computed step s | cached step s |",
+           "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    base = {row_key(r): r for r in rows if r["setting"] == "uncached"}
+    for r in rows:
+        st, b = r.get("qic_stages"), base.get(row_key(r))
+        if not st or not b or "qic_stages" not in b:
+            continue   # rows from before the benchmark recorded stages
+        cached = "-" if st["cached_step"] is None else f"{st['cached_step']:.3f}"
+        out.append(f"| {r['model']} | {r['depth']} | {r['steps']} | {r['setting']} | {r['qic_s']:.2f} | "
+                   f"{r['qic_s'] / b['qic_s']:.3f} | {st['text']:.2f} | {st['decode']:.2f} | {st['steps']:.2f} | "
+                   f"{st['steps'] / b['qic_stages']['steps']:.3f} | {st['computed_step']:.3f} | {cached} |")
     return "\n".join(out)
 
 
@@ -295,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.sort(key=lambda r: (r["model"] != "shapes", *row_key(r)))   # stable: settings keep order
         write_bytes_atomic(results, json.dumps(rows, indent=1).encode())
     print(table(rows))
+    print(stages_table(rows))
     print(f"wrote {plot(rows, img)}")
 
 

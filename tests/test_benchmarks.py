@@ -65,7 +65,8 @@ SMOKES = {
     "shapes_quality": (300, [r"\| (held-out|training) \| (128x128|all) \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
                              r"[\d.]+ \|"] * 4),
     "step_cache": (420, [r"\| tiny \| 3 \| 3 \| (uncached|threshold [\d.e+-]+|mask 3/3) \| [\d.]+ \| [\d.]+ \| .*"] * 5
-                   + [r"wrote .*/img/step-cache\.png"]),
+                   + [r"\| tiny \| 3 \| 3 \| mask 3/3( \| [\d.]+){7} \| - \|",   # qic's stages: all 3 computed
+                      r"wrote .*/img/step-cache\.png"]),
     "q21_step": (300, [r"\| (text|text \+ one 64x64 image) \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \| "
                        r"[\d.]+ s \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \| [\d.e+-]+ \| \d+ s \|"] * 2),
     "edit": (300, [r"\| (vision|language model|vae_encoder|steps|decoder|all stages) \| [\d.]+ \| [\d.]+ \| "
